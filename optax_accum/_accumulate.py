@@ -1,0 +1,415 @@
+"""``accumulate``: weighted gradient accumulation as an Optax transformation.
+
+The life of a window (see DESIGN.md): each call adds ``weight * grads`` to a
+float32 (or wider) accumulator and ``weight`` to the weight sum. Between
+boundaries the emitted updates are exact zeros and the inner optimizer is not
+run. At the boundary the window mean ``sum_i w_i g_i / (sum_i w_i * scale)`` is
+computed once, checked for finiteness once, optionally clipped, and handed to
+the inner optimizer once; then the accumulator is reset with zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum import _numerics
+from optax_accum._loss_scale import DynamicLossScale, LossScale, StaticLossScale
+
+PyTree = Any
+
+# Extra arg set only by `flush`: this call closes the window but carries no microbatch.
+_NO_MICROBATCH = "_optax_accum_no_microbatch"
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate`. Every field is an array; scalars are 0-d.
+
+  The structure is the same in every configuration (with or without a loss
+  scale, clipping or a schedule), so checkpoints stay compatible.
+
+  Attributes:
+    mini_step: int32, microbatches accumulated in the current window (the
+      window position; 0 right after a boundary).
+    acc: the weighted gradient sum ``sum_i w_i * g_i`` of the current window,
+      a tree like the params in the accumulator dtype (float32 by default).
+      With a loss scale the ``g_i`` are gradients of the *scaled* loss.
+    weight_sum: float32 (float64 under x64), ``sum_i w_i`` of the window.
+    value_sum: weighted sum ``sum_i w_i * value_i`` of the ``value`` extra
+      args (the microbatch losses) passed in this window.
+    value_weight: the weight sum of the microbatches that passed ``value``.
+    num_microbatches: int32, microbatches consumed since ``init`` (flushes are
+      not counted): the data position to resume from.
+    num_updates: int32, windows applied (the inner optimizer ran).
+    num_skipped: int32, windows skipped because their mean was not finite.
+    updated: bool, whether the last call applied an update.
+    window_loss: the weighted mean ``value`` of the last closed window (NaN
+      until a window with ``value`` closes).
+    grad_norm: global L2 norm of the last closed window's unscaled mean
+      gradient, before clipping (NaN until a window closes; inf or NaN for a
+      skipped window).
+    loss_scale: float32, the scale to multiply the loss by in the current
+      window (1.0 without a loss scale).
+    growth_streak: int32, consecutive applied windows since the scale last
+      changed (dynamic loss scale only; 0 otherwise).
+    every_k: int32 fingerprint of the configuration: the window length, or -1
+      when ``every_k`` is a schedule. Checked on every concrete call.
+    inner_state: the inner optimizer's state; changes only on applied windows.
+  """
+
+  mini_step: jax.Array
+  acc: PyTree
+  weight_sum: jax.Array
+  value_sum: jax.Array
+  value_weight: jax.Array
+  num_microbatches: jax.Array
+  num_updates: jax.Array
+  num_skipped: jax.Array
+  updated: jax.Array
+  window_loss: jax.Array
+  grad_norm: jax.Array
+  loss_scale: jax.Array
+  growth_streak: jax.Array
+  every_k: jax.Array
+  inner_state: PyTree
+
+
+def _check_every_k(every_k: Any) -> Callable[[jax.Array], jax.Array] | int:
+  if callable(every_k):
+    return every_k
+  if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
+    raise TypeError(
+        f"every_k must be a positive int (microbatches per window) or a callable of "
+        f"num_updates, got {every_k!r}."
+    )
+  if every_k < 1:
+    raise ValueError(f"every_k must be >= 1 (microbatches per window), got {every_k}.")
+  return int(every_k)
+
+
+def _check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:
+  """Trace-time checks that grads match the accumulator (and params)."""
+  g_struct = jax.tree.structure(grads)
+  if g_struct != jax.tree.structure(acc):
+    raise ValueError(
+        "The gradient tree does not match the tree the optimizer state was initialized "
+        f"with.\n  grads: {g_struct}\n  state: {jax.tree.structure(acc)}\nCall tx.init on "
+        "params with the same structure as the gradients (e.g. the same nnx.Param filter)."
+    )
+  if params is not None and jax.tree.structure(params) != g_struct:
+    raise ValueError(
+        f"grads and params have different tree structures:\n  grads: {g_struct}\n  params: "
+        f"{jax.tree.structure(params)}\nPass the params the gradients were taken with."
+    )
+  trees = [acc] if params is None else [acc, params]
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+  leaves = [jax.tree.leaves(t) for t in (grads, *trees)]
+  for name, g, *others in zip(names, *leaves, strict=True):
+    for other in others:
+      if np.shape(g) != np.shape(other):
+        raise ValueError(
+            f"Gradient leaf {name} has shape {np.shape(g)} but the params/state have "
+            f"{np.shape(other)}. Pass gradients of the same params the state was made for."
+        )
+    a = others[0]
+    if jnp.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
+      raise TypeError(
+          f"Gradient leaf {name} is {g.dtype} but the accumulator is {a.dtype}, which "
+          "cannot hold it. Re-initialize the state from params of the gradients' dtype, or "
+          "set accumulator_dtype."
+      )
+
+
+def _check_fingerprint(state: AccumulationState, every_k_fp: int) -> None:
+  fp = state.every_k
+  if isinstance(fp, jax.core.Tracer):
+    return
+  fp = int(np.asarray(fp))
+  if fp != every_k_fp:
+    raise ValueError(
+        f"This optimizer state was created with every_k={fp} (-1 means a schedule) but the "
+        f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
+        "accumulate() with the same configuration, or start a fresh state with tx.init."
+    )
+
+
+def accumulate(
+    inner: optax.GradientTransformation,
+    every_k: int | Callable[[jax.Array], Any],
+    *,
+    accumulator_dtype: Any = None,
+    loss_scale: LossScale | None = None,
+    clip_norm: float | None = None,
+    skip_nonfinite: bool = True,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates weighted microbatch gradients and runs ``inner`` once per window.
+
+  ``update(grads, state, params=None, *, weight=1, flush=False, **extra_args)``:
+
+  ============================  ================================================
+  every call (microstep)        ``acc += weight * grads`` (in ``acc``'s dtype);
+                                ``weight_sum += weight``; emit exact zeros
+  boundary (``every_k`` calls   ``mean = acc / (weight_sum * loss_scale)``, one
+  or ``flush=True``)            finite check, global norm, clip to
+                                ``clip_norm``, ``inner.update(mean, ...)`` once,
+                                reset ``acc`` and ``weight_sum`` with zeros
+  non-finite window             zeros emitted, inner state untouched,
+                                ``num_skipped += 1``, loss scale backs off
+  empty window (weight sum 0)   zeros emitted, nothing counted
+  ============================  ================================================
+
+  Args:
+    inner: the inner optimizer (any ``optax.GradientTransformation``). Its
+      updates, schedules, weight decay and step counts advance only on applied
+      windows. Extra args reach it on the boundary call.
+    every_k: microbatches per window, an int >= 1, or a callable of
+      ``num_updates`` (applied windows; int32 array) returning one, like
+      ``optax.MultiSteps(every_k_schedule=...)``.
+    accumulator_dtype: dtype of the accumulator. ``None`` (default) uses
+      ``jnp.promote_types(grad.dtype, jnp.float32)`` per leaf: float32 for
+      bf16/fp16/float32 gradients, float64 under ``jax_enable_x64``, complex
+      kept complex.
+    loss_scale: ``None`` (no scaling), :func:`optax_accum.static_loss_scale` or
+      :func:`optax_accum.dynamic_loss_scale`. The grads passed in are then
+      gradients of ``loss * get_loss_scale(state)``.
+    clip_norm: if set, the window's unscaled mean gradient is clipped to this
+      global L2 norm (``optax.clip_by_global_norm``) before ``inner``.
+    skip_nonfinite: skip windows whose mean has a NaN or Inf (default True).
+    axis_name: a ``shard_map``/``pmap`` axis name. Each device accumulates its
+      own sums with no communication; at the boundary one ``psum`` of the sums
+      precedes the single division, so windows are weighted by the global token
+      count and every replica applies the same update.
+
+  Update args:
+    grads: gradient of this microbatch's *mean* loss, a tree like the params.
+    weight: number of examples or unmasked tokens that mean is over; a
+      non-negative scalar (Python number or array, may be traced). A traced
+      negative weight is not checked: it subtracts that microbatch.
+    flush: bool (may be traced); close the window after this microbatch even if
+      it holds fewer than ``every_k`` microbatches.
+    value: optional microbatch loss; the inner optimizer receives the window's
+      weighted mean as ``value`` (for ``optax.contrib.reduce_on_plateau``).
+    **extra_args: forwarded to ``inner.update`` on the boundary call.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`AccumulationState`. Updates have the params' dtypes (the grads'
+    dtypes when ``params`` is None).
+
+  Raises:
+    TypeError, ValueError: at construction for a bad ``every_k`` or
+      ``clip_norm``; at trace time for a non-scalar, boolean or concrete
+      negative weight, and for grads whose tree, shapes or dtypes do not match
+      the state or params.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> u, state = tx.update({'w': jnp.array([1., 1.])}, state, params, weight=3)
+    >>> u['w']  # between boundaries: exact zeros
+    Array([0., 0.], dtype=float32)
+    >>> u, state = tx.update({'w': jnp.array([5., 5.])}, state, params, weight=1)
+    >>> u['w']  # -(3 * 1 + 1 * 5) / 4
+    Array([-2., -2.], dtype=float32)
+
+  References:
+    Hugging Face, `Fixing gradient accumulation
+    <https://huggingface.co/blog/gradient_accumulation>`_ (2024), on weighting by
+    token counts; ``optax.MultiSteps`` for the transformation's shape.
+  """
+  every_k = _check_every_k(every_k)
+  every_k_fp = -1 if callable(every_k) else every_k
+  if clip_norm is not None and not float(clip_norm) > 0:
+    raise ValueError(f"clip_norm must be > 0 (a global L2 norm), got {clip_norm}.")
+  if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+    raise TypeError(
+        "loss_scale must be None, optax_accum.static_loss_scale(...) or "
+        f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
+    )
+  if accumulator_dtype is not None:
+    accumulator_dtype = jnp.dtype(accumulator_dtype)
+  inner = optax.with_extra_args_support(inner)
+  initial_scale = 1.0 if loss_scale is None else loss_scale.initial_scale()
+
+  def window_length(num_updates: jax.Array) -> jax.Array:
+    if callable(every_k):
+      k = jnp.asarray(every_k(num_updates))
+      if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
+        raise TypeError(
+            f"every_k schedule must return an integer scalar, got {k.dtype}{list(k.shape)}."
+        )
+      return k.astype(jnp.int32)
+    return jnp.asarray(every_k, jnp.int32)
+
+  def init_fn(params: PyTree) -> AccumulationState:
+    fdt = _numerics.scalar_dtype()
+    acc = jax.tree.map(
+        lambda p: jnp.zeros_like(p, dtype=_numerics.accumulator_dtype(p.dtype, accumulator_dtype)),
+        params,
+    )
+    zero_i = jnp.zeros((), jnp.int32)
+    return AccumulationState(
+        mini_step=zero_i,
+        acc=acc,
+        weight_sum=jnp.zeros((), fdt),
+        value_sum=jnp.zeros((), fdt),
+        value_weight=jnp.zeros((), fdt),
+        num_microbatches=zero_i,
+        num_updates=zero_i,
+        num_skipped=zero_i,
+        updated=jnp.zeros((), jnp.bool_),
+        window_loss=jnp.full((), jnp.nan, fdt),
+        grad_norm=jnp.full((), jnp.nan, fdt),
+        loss_scale=jnp.asarray(initial_scale, jnp.float32),
+        growth_streak=zero_i,
+        every_k=jnp.asarray(every_k_fp, jnp.int32),
+        inner_state=inner.init(params),
+    )
+
+  def update_fn(grads, state, params=None, *, weight=1, flush=False, **extra_args):
+    if not isinstance(state, AccumulationState):
+      raise TypeError(
+          f"accumulate's update needs its AccumulationState, got {type(state).__name__}. "
+          "Pass the state returned by tx.init / tx.update."
+      )
+    _check_fingerprint(state, every_k_fp)
+    _check_trees(grads, state.acc, params, accumulator_dtype)
+    no_microbatch = bool(extra_args.pop(_NO_MICROBATCH, False))
+    value = extra_args.pop("value", None)
+    w = _numerics.check_weight(weight)
+    flush = jnp.asarray(flush)
+    if flush.ndim != 0 or flush.dtype != jnp.bool_:
+      raise TypeError(f"flush must be a boolean scalar, got {flush.dtype}{list(flush.shape)}.")
+
+    acc = _numerics.weighted_add(state.acc, grads, w)
+    weight_sum = state.weight_sum + w
+    value_sum, value_weight = state.value_sum, state.value_weight
+    if value is not None:
+      v = jnp.asarray(value)
+      if v.ndim != 0:
+        raise ValueError(f"value must be the scalar loss of the microbatch, got shape {v.shape}.")
+      v = v.astype(value_sum.dtype)
+      value_sum = value_sum + jnp.where(w > 0, w * v, jnp.zeros_like(v))
+      value_weight = value_weight + w
+    step = jnp.zeros((), jnp.int32) if no_microbatch else jnp.ones((), jnp.int32)
+    mini_step = state.mini_step + step
+    num_microbatches = _numerics.saturating_increment(state.num_microbatches, not no_microbatch)
+    boundary = (mini_step >= window_length(state.num_updates)) | flush
+
+    out_like = grads if params is None else params
+    zero_updates = optax.tree.zeros_like(out_like)
+
+    def between(_):
+      new_state = state._replace(
+          mini_step=mini_step,
+          acc=acc,
+          weight_sum=weight_sum,
+          value_sum=value_sum,
+          value_weight=value_weight,
+          num_microbatches=num_microbatches,
+          updated=jnp.zeros((), jnp.bool_),
+      )
+      return zero_updates, new_state
+
+    def close(_):
+      sums = (acc, weight_sum, value_sum, value_weight)
+      if axis_name is not None:
+        sums = jax.lax.psum(sums, axis_name)
+      g_sum, w_sum, v_sum, v_weight = sums
+      scale = state.loss_scale
+      mean = _numerics.guarded_divide(g_sum, w_sum * scale.astype(w_sum.dtype))
+      finite = _numerics.all_finite(mean)
+      norm = optax.tree.norm(mean).astype(state.grad_norm.dtype)
+      empty = w_sum == 0
+      apply = ~empty & (finite | (not skip_nonfinite))
+      skipped = ~empty & ~finite & skip_nonfinite
+      if clip_norm is not None:
+        mean, _ = optax.clip_by_global_norm(clip_norm).update(mean, optax.EmptyState())
+      mean = optax.tree.cast_like(mean, grads)
+      window_value = _numerics.guarded_divide(v_sum, v_weight)
+      window_value = jnp.where(v_weight > 0, window_value, jnp.nan)
+      inner_args = dict(extra_args)
+      if value is not None:
+        inner_args["value"] = window_value
+
+      def run_inner(_):
+        updates, inner_state = inner.update(mean, state.inner_state, params, **inner_args)
+        return optax.tree.cast_like(updates, zero_updates), inner_state
+
+      def keep_inner(_):
+        return zero_updates, state.inner_state
+
+      updates, inner_state = jax.lax.cond(apply, run_inner, keep_inner, None)
+      new_scale, new_streak = state.loss_scale, state.growth_streak
+      if loss_scale is not None:
+        adj_scale, adj_streak = loss_scale.adjust(state.loss_scale, state.growth_streak, finite)
+        new_scale = jnp.where(empty, new_scale, adj_scale)
+        new_streak = jnp.where(empty, new_streak, adj_streak)
+      zero_f = jnp.zeros((), weight_sum.dtype)
+      new_state = AccumulationState(
+          mini_step=jnp.zeros((), jnp.int32),
+          acc=optax.tree.zeros_like(acc),
+          weight_sum=zero_f,
+          value_sum=zero_f,
+          value_weight=zero_f,
+          num_microbatches=num_microbatches,
+          num_updates=_numerics.saturating_increment(state.num_updates, apply),
+          num_skipped=_numerics.saturating_increment(state.num_skipped, skipped),
+          updated=apply,
+          window_loss=jnp.where(v_weight > 0, window_value, state.window_loss),
+          grad_norm=jnp.where(empty, state.grad_norm, norm),
+          loss_scale=new_scale,
+          growth_streak=new_streak,
+          every_k=state.every_k,
+          inner_state=inner_state,
+      )
+      return updates, new_state
+
+    return jax.lax.cond(boundary, close, between, None)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def flush(
+    tx: optax.GradientTransformation, state: PyTree, params: PyTree, **extra_args: Any
+) -> tuple[PyTree, PyTree]:
+  """Closes the current (possibly incomplete) window without a new gradient.
+
+  The window mean divides by the weight accumulated so far (e.g. by 2 for the
+  last two examples of an epoch, not by ``every_k``). The flush is not counted
+  as a microbatch. Flushing an empty window is a no-op: zero updates, inner
+  state unchanged, nothing counted.
+
+  Args:
+    tx: :func:`accumulate`'s transformation, or any transformation containing
+      it (an ``optax.chain``, say); other members see an all-zero gradient.
+    state: the optimizer state of ``tx``.
+    params: the current params (a tree of arrays); zero gradients of their
+      shapes and dtypes are fed through ``tx``.
+    **extra_args: forwarded to ``tx.update`` (and so to the inner optimizer).
+
+  Returns:
+    ``(updates, new_state)``, exactly like ``tx.update``: apply the updates
+    with ``optax.apply_updates``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
+    >>> params = {'w': jnp.zeros(())}
+    >>> state = tx.init(params)
+    >>> for y in (9.0, 10.0):  # two microbatches of a 4-window, gradients -y
+    ...   _, state = tx.update({'w': jnp.asarray(-y)}, state, params)
+    >>> updates, state = optax_accum.flush(tx, state, params)
+    >>> updates['w']  # the mean of the two, not divided by 4
+    Array(9.5, dtype=float32)
+  """
+  grads = optax.tree.zeros_like(params)
+  return tx.update(grads, state, params, weight=0, flush=True, **{_NO_MICROBATCH: True}, **extra_args)

@@ -1,0 +1,190 @@
+"""Loss scales for fp16 training: their configuration and their pure update rule.
+
+A loss scale is configuration (it lives in the closure of
+:func:`optax_accum.accumulate`, so it survives ``jit``); the current scale and
+the streak of applied windows live in :class:`optax_accum.AccumulationState`.
+The rule follows PyTorch's ``torch.amp.GradScaler`` (same names and defaults,
+see https://pytorch.org/docs/stable/amp.html#gradient-scaling), with two
+differences: the growth interval counts applied *windows* (not calls), and the
+scale has a floor and a ceiling (PyTorch has neither, so its scale can grow to
+``inf`` and then skip every window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+  """A constant loss scale.
+
+  Attributes:
+    value: the factor the loss is multiplied by (float32, > 0).
+  """
+
+  value: float
+
+  def initial_scale(self) -> float:
+    return float(self.value)
+
+  def adjust(
+      self, scale: jax.Array, streak: jax.Array, finite: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(scale, streak)`` unchanged: a static scale never moves."""
+    del finite
+    return scale, streak
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+  """A loss scale that grows while windows are finite and backs off on overflow.
+
+  Attributes:
+    init_scale: the scale of the first window.
+    growth_factor: multiplies the scale after ``growth_interval`` consecutive
+      applied windows.
+    backoff_factor: multiplies the scale once per skipped (non-finite) window.
+    growth_interval: applied windows between growths.
+    min_scale: the floor; backoff never goes below it.
+    max_scale: the ceiling; growth never goes above it.
+  """
+
+  init_scale: float = 2.0**16
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5
+  growth_interval: int = 2000
+  min_scale: float = 1.0
+  max_scale: float = 2.0**24
+
+  def initial_scale(self) -> float:
+    return float(self.init_scale)
+
+  def adjust(
+      self, scale: jax.Array, streak: jax.Array, finite: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """The rule applied once per non-empty window boundary.
+
+    Args:
+      scale: the scale in force for the window that just closed (float32, 0-d).
+      streak: applied windows since the last change of scale (int32, 0-d).
+      finite: whether the window's unscaled mean gradient was finite (bool, 0-d).
+
+    Returns:
+      ``(new_scale, new_streak)``. Finite: the streak grows; on reaching
+      ``growth_interval`` the scale is multiplied by ``growth_factor`` (capped at
+      ``max_scale``) and the streak restarts. Not finite: the scale is multiplied
+      by ``backoff_factor`` (floored at ``min_scale``) and the streak restarts.
+    """
+    dtype = scale.dtype
+    grown_streak = streak + jnp.ones_like(streak)
+    grow = grown_streak >= self.growth_interval
+    grown = jnp.minimum(scale * jnp.asarray(self.growth_factor, dtype), jnp.asarray(self.max_scale, dtype))
+    backed = jnp.maximum(
+        scale * jnp.asarray(self.backoff_factor, dtype), jnp.asarray(self.min_scale, dtype)
+    )
+    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed)
+    new_streak = jnp.where(finite & ~grow, grown_streak, jnp.zeros_like(streak))
+    return new_scale, new_streak
+
+
+LossScale = StaticLossScale | DynamicLossScale
+
+
+def static_loss_scale(value: float) -> StaticLossScale:
+  """A constant loss scale for :func:`optax_accum.accumulate`.
+
+  Args:
+    value: the factor (> 0, finite) the loss is multiplied by before
+      differentiation. The accumulated gradient is divided by it once, at the
+      window boundary.
+
+  Returns:
+    A :class:`StaticLossScale` to pass as ``accumulate(..., loss_scale=...)``.
+
+  Raises:
+    ValueError: if ``value`` is not a finite positive number.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=4,
+    ...                             loss_scale=optax_accum.static_loss_scale(1024.0))
+    >>> state = tx.init({'w': jax.numpy.zeros(3)})
+    >>> float(optax_accum.get_loss_scale(state))
+    1024.0
+  """
+  value = float(value)
+  if not (value > 0 and value < float("inf")):
+    raise ValueError(f"static_loss_scale needs a finite value > 0, got {value}.")
+  return StaticLossScale(value)
+
+
+def dynamic_loss_scale(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+) -> DynamicLossScale:
+  """A dynamic loss scale for :func:`optax_accum.accumulate` (fp16 training).
+
+  Names and defaults are those of PyTorch's ``GradScaler``. The scale changes
+  only at window boundaries: it is halved (``backoff_factor``) once for each
+  skipped window and doubled (``growth_factor``) after ``growth_interval``
+  consecutive applied windows; it stays within ``[min_scale, max_scale]``.
+  Empty windows (weight sum 0) change nothing.
+
+  Args:
+    init_scale: scale of the first window (float32 > 0; a power of two keeps
+      scaling exact).
+    growth_factor: > 1.
+    backoff_factor: in (0, 1).
+    growth_interval: applied windows between growths, an integer >= 1.
+    min_scale: floor (> 0).
+    max_scale: ceiling (>= min_scale, finite).
+
+  Returns:
+    A :class:`DynamicLossScale` to pass as ``accumulate(..., loss_scale=...)``.
+
+  Raises:
+    ValueError: for a parameter outside the ranges above.
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, 2018; PyTorch AMP gradient scaling notes.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> scale = optax_accum.dynamic_loss_scale(init_scale=2.0**10, growth_interval=100)
+    >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4, loss_scale=scale)
+    >>> state = tx.init({'w': jax.numpy.zeros(3)})
+    >>> float(optax_accum.get_loss_scale(state))
+    1024.0
+  """
+  finite = float("inf")
+  checks = [
+      (0 < init_scale < finite, "init_scale must be finite and > 0"),
+      (growth_factor > 1, "growth_factor must be > 1"),
+      (0 < backoff_factor < 1, "backoff_factor must be in (0, 1)"),
+      (
+          int(growth_interval) == growth_interval and growth_interval >= 1,
+          "growth_interval must be an integer >= 1",
+      ),
+      (0 < min_scale <= max_scale < finite, "need 0 < min_scale <= max_scale < inf"),
+      (min_scale <= init_scale <= max_scale, "init_scale must lie in [min_scale, max_scale]"),
+  ]
+  for ok, message in checks:
+    if not ok:
+      raise ValueError(f"dynamic_loss_scale: {message}.")
+  return DynamicLossScale(
+      float(init_scale),
+      float(growth_factor),
+      float(backoff_factor),
+      int(growth_interval),
+      float(min_scale),
+      float(max_scale),
+  )

@@ -1,0 +1,154 @@
+"""Numerics shared by every accumulation path: dtypes, weights, guarded division.
+
+Both the across-step :func:`optax_accum.accumulate` and the in-step
+:func:`optax_accum.microbatched_value_and_grad` use these helpers, so the two
+paths round the same way. Nothing here zeros or selects by multiplying
+(``0 * nan == nan``): selection is ``jnp.where`` / ``lax.select``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+# Counters are int32 and saturate here instead of wrapping to negative values.
+COUNTER_MAX = np.iinfo(np.int32).max
+
+
+def scalar_dtype() -> jnp.dtype:
+  """The dtype of weight sums and other float scalars in our state.
+
+  float32, or float64 when ``jax_enable_x64`` is on (so that float64 runs keep
+  float64 weight sums).
+  """
+  return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
+
+
+def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
+  """The accumulator dtype for one gradient leaf.
+
+  Args:
+    grad_dtype: dtype of the incoming gradient leaf.
+    override: ``None`` for the default rule, else the dtype to use.
+
+  Returns:
+    ``promote_types(grad_dtype, float32)`` by default: float32 for bf16, fp16
+    and float32 gradients, float64 for float64, complex kept complex. With an
+    override, that dtype.
+
+  Raises:
+    TypeError: if the gradient is complex and the override is real (the
+      imaginary part would be dropped), or either dtype is not inexact.
+  """
+  grad_dtype = jnp.dtype(grad_dtype)
+  if not jnp.issubdtype(grad_dtype, jnp.inexact):
+    raise TypeError(
+        f"Gradients must be floating point or complex, got a {grad_dtype} leaf. "
+        "Pass gradients from jax.grad (integer leaves have no gradient; "
+        "filter them out of the params tree, e.g. with optax.masked)."
+    )
+  if override is None:
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.promote_types(grad_dtype, jnp.float32)))
+  override = jnp.dtype(override)
+  if not jnp.issubdtype(override, jnp.inexact):
+    raise TypeError(f"accumulator_dtype must be a float or complex dtype, got {override}.")
+  if jnp.issubdtype(grad_dtype, jnp.complexfloating) and not jnp.issubdtype(
+      override, jnp.complexfloating
+  ):
+    raise TypeError(
+        f"accumulator_dtype={override} would drop the imaginary part of a {grad_dtype} "
+        "gradient. Use a complex accumulator_dtype or leave it as None."
+    )
+  return override
+
+
+def check_weight(weight: Any, name: str = "weight") -> jax.Array:
+  """Validates a microbatch weight and returns it as a scalar array.
+
+  Args:
+    weight: a non-negative scalar (Python number, NumPy or JAX array, traced or
+      not): the number of examples or unmasked tokens the microbatch's mean
+      loss averages over.
+    name: the argument's name for error messages.
+
+  Returns:
+    A 0-d array of :func:`scalar_dtype`.
+
+  Raises:
+    ValueError: if the weight is not a scalar, or is concrete and negative or
+      not finite.
+    TypeError: if the weight is complex or not numeric.
+  """
+  if isinstance(weight, bool) or (
+      hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
+  ):
+    raise TypeError(
+        f"{name} must be a number (examples or unmasked tokens), got a boolean. "
+        f"Pass e.g. {name}=mask.sum()."
+    )
+  if np.ndim(weight) != 0:
+    raise ValueError(
+        f"{name} must be a scalar (the number of examples or unmasked tokens in this "
+        f"microbatch), got shape {np.shape(weight)}. Sum it first, e.g. {name}=mask.sum()."
+    )
+  dtype = jnp.result_type(weight)
+  if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+    raise TypeError(f"{name} must be a real number, got dtype {dtype}.")
+  if not isinstance(weight, jax.core.Tracer):
+    value = float(np.asarray(weight))
+    if not np.isfinite(value) or value < 0:
+      raise ValueError(
+          f"{name} must be finite and non-negative, got {value}. A microbatch with no "
+          f"real examples has {name}=0; a negative {name} has no meaning."
+      )
+  return jnp.asarray(weight).astype(scalar_dtype())
+
+
+def weighted_add(acc: PyTree, grads: PyTree, weight: jax.Array) -> PyTree:
+  """Returns ``acc + weight * grads`` leafwise, in the accumulator's dtypes.
+
+  A microbatch with ``weight == 0`` adds exactly nothing, even when its gradient
+  is NaN (an all-padding microbatch's masked mean is 0/0): selected, not
+  multiplied.
+  """
+
+  def add(a, g):
+    w = weight.astype(a.dtype)
+    return a + jnp.where(weight > 0, w * g.astype(a.dtype), jnp.zeros((), a.dtype))
+
+  return jax.tree.map(add, acc, grads)
+
+
+def guarded_divide(tree: PyTree, denom: jax.Array) -> PyTree:
+  """Divides every leaf by the scalar ``denom``; leaves are zero where ``denom == 0``.
+
+  This is the one division of a window: the weighted sum by the weight sum
+  (times the loss scale). No 0/0 is ever evaluated.
+  """
+  nonzero = denom != 0
+  safe = jnp.where(nonzero, denom, jnp.ones_like(denom))
+
+  def div(x):
+    return jnp.where(nonzero, x / safe.astype(x.dtype), jnp.zeros((), x.dtype))
+
+  return jax.tree.map(div, tree)
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+  """One fused reduction: True iff every element of every leaf is finite."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.array(True)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def saturating_increment(counter: jax.Array, pred: Any = True) -> jax.Array:
+  """``counter + 1`` where ``pred``, never past :data:`COUNTER_MAX`."""
+  bumped = jnp.where(counter >= COUNTER_MAX, counter, counter + jnp.ones_like(counter))
+  return jnp.where(pred, bumped, counter)
+

@@ -1,0 +1,65 @@
+"""``scaled_value_and_grad``: differentiate the loss times the current loss scale."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_accum._state import get_loss_scale
+
+PyTree = Any
+
+
+def scaled_value_and_grad(
+    loss_fn: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, PyTree]]:
+  """``jax.value_and_grad`` of ``loss_fn`` times the loss scale found in an optimizer state.
+
+  Use it with ``accumulate(..., loss_scale=...)``: the returned function reads
+  the scale from the optimizer state on every call, so a stale scale cannot be
+  used, and the state divides the accumulated gradient by the same scale once
+  at the boundary (PyTorch AMP's ``scaler.scale(loss).backward()``).
+
+  Args:
+    loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss (or
+      ``(loss, aux)`` with ``has_aux``). The loss is cast to float32 before it
+      is scaled, so an fp16 loss does not overflow when multiplied.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    ``f(opt_state, params, *args, **kwargs) -> (loss, grads)`` (or
+    ``((loss, aux), grads)``): ``loss`` is the *unscaled* float32 loss; ``grads``
+    is the gradient of ``loss * scale`` with respect to ``params``, in the
+    params' dtypes.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no or several accumulation states.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2,
+    ...                             loss_scale=optax_accum.static_loss_scale(8.0))
+    >>> params = jnp.asarray(3.0)
+    >>> state = tx.init(params)
+    >>> loss, g = optax_accum.scaled_value_and_grad(lambda p: 0.5 * p**2)(state, params)
+    >>> float(loss), float(g)  # unscaled loss, gradient of 8 * loss
+    (4.5, 24.0)
+  """
+
+  def scaled_loss(params, scale, *args, **kwargs):
+    out = loss_fn(params, *args, **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    loss = jnp.asarray(loss).astype(jnp.float32)
+    return loss * scale, (loss, aux)
+
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+
+  def value_and_grad(opt_state, params, *args, **kwargs):
+    scale = get_loss_scale(opt_state)
+    (_, (loss, aux)), grads = grad_fn(params, scale, *args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return value_and_grad

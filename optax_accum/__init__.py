@@ -7,10 +7,10 @@ update one physical batch would give.
 
 from optax_accum._accumulate import AccumulationState, accumulate, flush
 from optax_accum._loss_scale import (
-    DynamicLossScale,
-    StaticLossScale,
-    dynamic_loss_scale,
-    static_loss_scale,
+  DynamicLossScale,
+  StaticLossScale,
+  dynamic_loss_scale,
+  static_loss_scale,
 )
 from optax_accum._scaled_grad import scaled_value_and_grad
 from optax_accum._state import Metrics, discard, get_loss_scale, metrics
@@ -18,16 +18,16 @@ from optax_accum._state import Metrics, discard, get_loss_scale, metrics
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulationState",
-    "DynamicLossScale",
-    "Metrics",
-    "StaticLossScale",
-    "accumulate",
-    "discard",
-    "dynamic_loss_scale",
-    "flush",
-    "get_loss_scale",
-    "metrics",
-    "scaled_value_and_grad",
-    "static_loss_scale",
+  "AccumulationState",
+  "DynamicLossScale",
+  "Metrics",
+  "StaticLossScale",
+  "accumulate",
+  "discard",
+  "dynamic_loss_scale",
+  "flush",
+  "get_loss_scale",
+  "metrics",
+  "scaled_value_and_grad",
+  "static_loss_scale",
 ]

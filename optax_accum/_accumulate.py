@@ -84,8 +84,8 @@ def _check_every_k(every_k: Any) -> Callable[[jax.Array], jax.Array] | int:
     return every_k
   if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
     raise TypeError(
-        f"every_k must be a positive int (microbatches per window) or a callable of "
-        f"num_updates, got {every_k!r}."
+      f"every_k must be a positive int (microbatches per window) or a callable of "
+      f"num_updates, got {every_k!r}."
     )
   if every_k < 1:
     raise ValueError(f"every_k must be >= 1 (microbatches per window), got {every_k}.")
@@ -97,14 +97,14 @@ def _check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> N
   g_struct = jax.tree.structure(grads)
   if g_struct != jax.tree.structure(acc):
     raise ValueError(
-        "The gradient tree does not match the tree the optimizer state was initialized "
-        f"with.\n  grads: {g_struct}\n  state: {jax.tree.structure(acc)}\nCall tx.init on "
-        "params with the same structure as the gradients (e.g. the same nnx.Param filter)."
+      "The gradient tree does not match the tree the optimizer state was initialized "
+      f"with.\n  grads: {g_struct}\n  state: {jax.tree.structure(acc)}\nCall tx.init on "
+      "params with the same structure as the gradients (e.g. the same nnx.Param filter)."
     )
   if params is not None and jax.tree.structure(params) != g_struct:
     raise ValueError(
-        f"grads and params have different tree structures:\n  grads: {g_struct}\n  params: "
-        f"{jax.tree.structure(params)}\nPass the params the gradients were taken with."
+      f"grads and params have different tree structures:\n  grads: {g_struct}\n  params: "
+      f"{jax.tree.structure(params)}\nPass the params the gradients were taken with."
     )
   trees = [acc] if params is None else [acc, params]
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
@@ -113,15 +113,15 @@ def _check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> N
     for other in others:
       if np.shape(g) != np.shape(other):
         raise ValueError(
-            f"Gradient leaf {name} has shape {np.shape(g)} but the params/state have "
-            f"{np.shape(other)}. Pass gradients of the same params the state was made for."
+          f"Gradient leaf {name} has shape {np.shape(g)} but the params/state have "
+          f"{np.shape(other)}. Pass gradients of the same params the state was made for."
         )
     a = others[0]
     if jnp.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
       raise TypeError(
-          f"Gradient leaf {name} is {g.dtype} but the accumulator is {a.dtype}, which "
-          "cannot hold it. Re-initialize the state from params of the gradients' dtype, or "
-          "set accumulator_dtype."
+        f"Gradient leaf {name} is {g.dtype} but the accumulator is {a.dtype}, which "
+        "cannot hold it. Re-initialize the state from params of the gradients' dtype, or "
+        "set accumulator_dtype."
       )
 
 
@@ -132,21 +132,21 @@ def _check_fingerprint(state: AccumulationState, every_k_fp: int) -> None:
   fp = int(np.asarray(fp))
   if fp != every_k_fp:
     raise ValueError(
-        f"This optimizer state was created with every_k={fp} (-1 means a schedule) but the "
-        f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
-        "accumulate() with the same configuration, or start a fresh state with tx.init."
+      f"This optimizer state was created with every_k={fp} (-1 means a schedule) but the "
+      f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
+      "accumulate() with the same configuration, or start a fresh state with tx.init."
     )
 
 
 def accumulate(
-    inner: optax.GradientTransformation,
-    every_k: int | Callable[[jax.Array], Any],
-    *,
-    accumulator_dtype: Any = None,
-    loss_scale: LossScale | None = None,
-    clip_norm: float | None = None,
-    skip_nonfinite: bool = True,
-    axis_name: str | tuple[str, ...] | None = None,
+  inner: optax.GradientTransformation,
+  every_k: int | Callable[[jax.Array], Any],
+  *,
+  accumulator_dtype: Any = None,
+  loss_scale: LossScale | None = None,
+  clip_norm: float | None = None,
+  skip_nonfinite: bool = True,
+  axis_name: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted microbatch gradients and runs ``inner`` once per window.
 
@@ -231,8 +231,8 @@ def accumulate(
     raise ValueError(f"clip_norm must be > 0 (a global L2 norm), got {clip_norm}.")
   if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
     raise TypeError(
-        "loss_scale must be None, optax_accum.static_loss_scale(...) or "
-        f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
+      "loss_scale must be None, optax_accum.static_loss_scale(...) or "
+      f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
     )
   if accumulator_dtype is not None:
     accumulator_dtype = jnp.dtype(accumulator_dtype)
@@ -244,7 +244,7 @@ def accumulate(
       k = jnp.asarray(every_k(num_updates))
       if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
         raise TypeError(
-            f"every_k schedule must return an integer scalar, got {k.dtype}{list(k.shape)}."
+          f"every_k schedule must return an integer scalar, got {k.dtype}{list(k.shape)}."
         )
       return k.astype(jnp.int32)
     return jnp.asarray(every_k, jnp.int32)
@@ -252,33 +252,33 @@ def accumulate(
   def init_fn(params: PyTree) -> AccumulationState:
     fdt = _numerics.scalar_dtype()
     acc = jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=_numerics.accumulator_dtype(p.dtype, accumulator_dtype)),
-        params,
+      lambda p: jnp.zeros_like(p, dtype=_numerics.accumulator_dtype(p.dtype, accumulator_dtype)),
+      params,
     )
     zero_i = jnp.zeros((), jnp.int32)
     return AccumulationState(
-        mini_step=zero_i,
-        acc=acc,
-        weight_sum=jnp.zeros((), fdt),
-        value_sum=jnp.zeros((), fdt),
-        value_weight=jnp.zeros((), fdt),
-        num_microbatches=zero_i,
-        num_updates=zero_i,
-        num_skipped=zero_i,
-        updated=jnp.zeros((), jnp.bool_),
-        window_loss=jnp.full((), jnp.nan, fdt),
-        grad_norm=jnp.full((), jnp.nan, fdt),
-        loss_scale=jnp.asarray(initial_scale, jnp.float32),
-        growth_streak=zero_i,
-        every_k=jnp.asarray(every_k_fp, jnp.int32),
-        inner_state=inner.init(params),
+      mini_step=zero_i,
+      acc=acc,
+      weight_sum=jnp.zeros((), fdt),
+      value_sum=jnp.zeros((), fdt),
+      value_weight=jnp.zeros((), fdt),
+      num_microbatches=zero_i,
+      num_updates=zero_i,
+      num_skipped=zero_i,
+      updated=jnp.zeros((), jnp.bool_),
+      window_loss=jnp.full((), jnp.nan, fdt),
+      grad_norm=jnp.full((), jnp.nan, fdt),
+      loss_scale=jnp.asarray(initial_scale, jnp.float32),
+      growth_streak=zero_i,
+      every_k=jnp.asarray(every_k_fp, jnp.int32),
+      inner_state=inner.init(params),
     )
 
   def update_fn(grads, state, params=None, *, weight=1, flush=False, **extra_args):
     if not isinstance(state, AccumulationState):
       raise TypeError(
-          f"accumulate's update needs its AccumulationState, got {type(state).__name__}. "
-          "Pass the state returned by tx.init / tx.update."
+        f"accumulate's update needs its AccumulationState, got {type(state).__name__}. "
+        "Pass the state returned by tx.init / tx.update."
       )
     _check_fingerprint(state, every_k_fp)
     _check_trees(grads, state.acc, params, accumulator_dtype)
@@ -309,13 +309,13 @@ def accumulate(
 
     def between(_):
       new_state = state._replace(
-          mini_step=mini_step,
-          acc=acc,
-          weight_sum=weight_sum,
-          value_sum=value_sum,
-          value_weight=value_weight,
-          num_microbatches=num_microbatches,
-          updated=jnp.zeros((), jnp.bool_),
+        mini_step=mini_step,
+        acc=acc,
+        weight_sum=weight_sum,
+        value_sum=value_sum,
+        value_weight=value_weight,
+        num_microbatches=num_microbatches,
+        updated=jnp.zeros((), jnp.bool_),
       )
       return zero_updates, new_state
 
@@ -355,21 +355,21 @@ def accumulate(
         new_streak = jnp.where(empty, new_streak, adj_streak)
       zero_f = jnp.zeros((), weight_sum.dtype)
       new_state = AccumulationState(
-          mini_step=jnp.zeros((), jnp.int32),
-          acc=optax.tree.zeros_like(acc),
-          weight_sum=zero_f,
-          value_sum=zero_f,
-          value_weight=zero_f,
-          num_microbatches=num_microbatches,
-          num_updates=_numerics.saturating_increment(state.num_updates, apply),
-          num_skipped=_numerics.saturating_increment(state.num_skipped, skipped),
-          updated=apply,
-          window_loss=jnp.where(v_weight > 0, window_value, state.window_loss),
-          grad_norm=jnp.where(empty, state.grad_norm, norm),
-          loss_scale=new_scale,
-          growth_streak=new_streak,
-          every_k=state.every_k,
-          inner_state=inner_state,
+        mini_step=jnp.zeros((), jnp.int32),
+        acc=optax.tree.zeros_like(acc),
+        weight_sum=zero_f,
+        value_sum=zero_f,
+        value_weight=zero_f,
+        num_microbatches=num_microbatches,
+        num_updates=_numerics.saturating_increment(state.num_updates, apply),
+        num_skipped=_numerics.saturating_increment(state.num_skipped, skipped),
+        updated=apply,
+        window_loss=jnp.where(v_weight > 0, window_value, state.window_loss),
+        grad_norm=jnp.where(empty, state.grad_norm, norm),
+        loss_scale=new_scale,
+        growth_streak=new_streak,
+        every_k=state.every_k,
+        inner_state=inner_state,
       )
       return updates, new_state
 
@@ -379,7 +379,7 @@ def accumulate(
 
 
 def flush(
-    tx: optax.GradientTransformation, state: PyTree, params: PyTree, **extra_args: Any
+  tx: optax.GradientTransformation, state: PyTree, params: PyTree, **extra_args: Any
 ) -> tuple[PyTree, PyTree]:
   """Closes the current (possibly incomplete) window without a new gradient.
 
@@ -412,4 +412,6 @@ def flush(
     Array(9.5, dtype=float32)
   """
   grads = optax.tree.zeros_like(params)
-  return tx.update(grads, state, params, weight=0, flush=True, **{_NO_MICROBATCH: True}, **extra_args)
+  return tx.update(
+    grads, state, params, weight=0, flush=True, **{_NO_MICROBATCH: True}, **extra_args
+  )

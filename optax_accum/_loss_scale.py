@@ -32,7 +32,7 @@ class StaticLossScale:
     return float(self.value)
 
   def adjust(
-      self, scale: jax.Array, streak: jax.Array, finite: jax.Array
+    self, scale: jax.Array, streak: jax.Array, finite: jax.Array
   ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(scale, streak)`` unchanged: a static scale never moves."""
     del finite
@@ -64,7 +64,7 @@ class DynamicLossScale:
     return float(self.init_scale)
 
   def adjust(
-      self, scale: jax.Array, streak: jax.Array, finite: jax.Array
+    self, scale: jax.Array, streak: jax.Array, finite: jax.Array
   ) -> tuple[jax.Array, jax.Array]:
     """The rule applied once per non-empty window boundary.
 
@@ -82,9 +82,11 @@ class DynamicLossScale:
     dtype = scale.dtype
     grown_streak = streak + jnp.ones_like(streak)
     grow = grown_streak >= self.growth_interval
-    grown = jnp.minimum(scale * jnp.asarray(self.growth_factor, dtype), jnp.asarray(self.max_scale, dtype))
+    grown = jnp.minimum(
+      scale * jnp.asarray(self.growth_factor, dtype), jnp.asarray(self.max_scale, dtype)
+    )
     backed = jnp.maximum(
-        scale * jnp.asarray(self.backoff_factor, dtype), jnp.asarray(self.min_scale, dtype)
+      scale * jnp.asarray(self.backoff_factor, dtype), jnp.asarray(self.min_scale, dtype)
     )
     new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed)
     new_streak = jnp.where(finite & ~grow, grown_streak, jnp.zeros_like(streak))
@@ -123,12 +125,12 @@ def static_loss_scale(value: float) -> StaticLossScale:
 
 
 def dynamic_loss_scale(
-    init_scale: float = 2.0**16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    min_scale: float = 1.0,
-    max_scale: float = 2.0**24,
+  init_scale: float = 2.0**16,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+  min_scale: float = 1.0,
+  max_scale: float = 2.0**24,
 ) -> DynamicLossScale:
   """A dynamic loss scale for :func:`optax_accum.accumulate` (fp16 training).
 
@@ -167,24 +169,24 @@ def dynamic_loss_scale(
   """
   finite = float("inf")
   checks = [
-      (0 < init_scale < finite, "init_scale must be finite and > 0"),
-      (growth_factor > 1, "growth_factor must be > 1"),
-      (0 < backoff_factor < 1, "backoff_factor must be in (0, 1)"),
-      (
-          int(growth_interval) == growth_interval and growth_interval >= 1,
-          "growth_interval must be an integer >= 1",
-      ),
-      (0 < min_scale <= max_scale < finite, "need 0 < min_scale <= max_scale < inf"),
-      (min_scale <= init_scale <= max_scale, "init_scale must lie in [min_scale, max_scale]"),
+    (0 < init_scale < finite, "init_scale must be finite and > 0"),
+    (growth_factor > 1, "growth_factor must be > 1"),
+    (0 < backoff_factor < 1, "backoff_factor must be in (0, 1)"),
+    (
+      int(growth_interval) == growth_interval and growth_interval >= 1,
+      "growth_interval must be an integer >= 1",
+    ),
+    (0 < min_scale <= max_scale < finite, "need 0 < min_scale <= max_scale < inf"),
+    (min_scale <= init_scale <= max_scale, "init_scale must lie in [min_scale, max_scale]"),
   ]
   for ok, message in checks:
     if not ok:
       raise ValueError(f"dynamic_loss_scale: {message}.")
   return DynamicLossScale(
-      float(init_scale),
-      float(growth_factor),
-      float(backoff_factor),
-      int(growth_interval),
-      float(min_scale),
-      float(max_scale),
+    float(init_scale),
+    float(growth_factor),
+    float(backoff_factor),
+    int(growth_interval),
+    float(min_scale),
+    float(max_scale),
   )

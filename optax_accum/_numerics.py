@@ -48,9 +48,9 @@ def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
   grad_dtype = jnp.dtype(grad_dtype)
   if not jnp.issubdtype(grad_dtype, jnp.inexact):
     raise TypeError(
-        f"Gradients must be floating point or complex, got a {grad_dtype} leaf. "
-        "Pass gradients from jax.grad (integer leaves have no gradient; "
-        "filter them out of the params tree, e.g. with optax.masked)."
+      f"Gradients must be floating point or complex, got a {grad_dtype} leaf. "
+      "Pass gradients from jax.grad (integer leaves have no gradient; "
+      "filter them out of the params tree, e.g. with optax.masked)."
     )
   if override is None:
     return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.promote_types(grad_dtype, jnp.float32)))
@@ -58,11 +58,11 @@ def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
   if not jnp.issubdtype(override, jnp.inexact):
     raise TypeError(f"accumulator_dtype must be a float or complex dtype, got {override}.")
   if jnp.issubdtype(grad_dtype, jnp.complexfloating) and not jnp.issubdtype(
-      override, jnp.complexfloating
+    override, jnp.complexfloating
   ):
     raise TypeError(
-        f"accumulator_dtype={override} would drop the imaginary part of a {grad_dtype} "
-        "gradient. Use a complex accumulator_dtype or leave it as None."
+      f"accumulator_dtype={override} would drop the imaginary part of a {grad_dtype} "
+      "gradient. Use a complex accumulator_dtype or leave it as None."
     )
   return override
 
@@ -85,16 +85,16 @@ def check_weight(weight: Any, name: str = "weight") -> jax.Array:
     TypeError: if the weight is complex or not numeric.
   """
   if isinstance(weight, bool) or (
-      hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
+    hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
   ):
     raise TypeError(
-        f"{name} must be a number (examples or unmasked tokens), got a boolean. "
-        f"Pass e.g. {name}=mask.sum()."
+      f"{name} must be a number (examples or unmasked tokens), got a boolean. "
+      f"Pass e.g. {name}=mask.sum()."
     )
   if np.ndim(weight) != 0:
     raise ValueError(
-        f"{name} must be a scalar (the number of examples or unmasked tokens in this "
-        f"microbatch), got shape {np.shape(weight)}. Sum it first, e.g. {name}=mask.sum()."
+      f"{name} must be a scalar (the number of examples or unmasked tokens in this "
+      f"microbatch), got shape {np.shape(weight)}. Sum it first, e.g. {name}=mask.sum()."
     )
   dtype = jnp.result_type(weight)
   if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
@@ -103,8 +103,8 @@ def check_weight(weight: Any, name: str = "weight") -> jax.Array:
     value = float(np.asarray(weight))
     if not np.isfinite(value) or value < 0:
       raise ValueError(
-          f"{name} must be finite and non-negative, got {value}. A microbatch with no "
-          f"real examples has {name}=0; a negative {name} has no meaning."
+        f"{name} must be finite and non-negative, got {value}. A microbatch with no "
+        f"real examples has {name}=0; a negative {name} has no meaning."
       )
   return jnp.asarray(weight).astype(scalar_dtype())
 
@@ -151,4 +151,3 @@ def saturating_increment(counter: jax.Array, pred: Any = True) -> jax.Array:
   """``counter + 1`` where ``pred``, never past :data:`COUNTER_MAX`."""
   bumped = jnp.where(counter >= COUNTER_MAX, counter, counter + jnp.ones_like(counter))
   return jnp.where(pred, bumped, counter)
-

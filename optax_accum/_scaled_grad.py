@@ -14,7 +14,7 @@ PyTree = Any
 
 
 def scaled_value_and_grad(
-    loss_fn: Callable[..., Any], *, has_aux: bool = False
+  loss_fn: Callable[..., Any], *, has_aux: bool = False
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad`` of ``loss_fn`` times the loss scale found in an optimizer state.
 

@@ -35,7 +35,7 @@ def _unwrap(x: Any) -> Any:
 def find_states(tree: PyTree) -> list[AccumulationState]:
   """Every :class:`AccumulationState` inside ``tree``, in tree order, unwrapped."""
   found = [
-      leaf for leaf in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(leaf, AccumulationState)
+    leaf for leaf in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(leaf, AccumulationState)
   ]
   return [jax.tree.map(_unwrap, s, is_leaf=lambda x: hasattr(x, "get_value")) for s in found]
 
@@ -50,9 +50,9 @@ def find_state(tree: PyTree) -> AccumulationState:
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"
     raise ValueError(
-        f"Found {what} optax_accum AccumulationState in the given optimizer state "
-        f"({type(tree).__name__}); expected exactly one. Pass the state of a transformation "
-        "that contains a single optax_accum.accumulate (or the sub-state you mean)."
+      f"Found {what} optax_accum AccumulationState in the given optimizer state "
+      f"({type(tree).__name__}); expected exactly one. Pass the state of a transformation "
+      "that contains a single optax_accum.accumulate (or the sub-state you mean)."
     )
   return found[0]
 
@@ -111,15 +111,15 @@ def metrics(opt_state: PyTree) -> Metrics:
   """
   s = find_state(opt_state)
   return Metrics(
-      mini_step=s.mini_step,
-      num_microbatches=s.num_microbatches,
-      num_updates=s.num_updates,
-      num_skipped=s.num_skipped,
-      pending_weight=s.weight_sum,
-      updated=s.updated,
-      window_loss=s.window_loss,
-      loss_scale=s.loss_scale,
-      grad_norm=s.grad_norm,
+    mini_step=s.mini_step,
+    num_microbatches=s.num_microbatches,
+    num_updates=s.num_updates,
+    num_skipped=s.num_skipped,
+    pending_weight=s.weight_sum,
+    updated=s.updated,
+    window_loss=s.window_loss,
+    loss_scale=s.loss_scale,
+    grad_norm=s.grad_norm,
   )
 
 
@@ -148,11 +148,11 @@ def get_loss_scale(opt_state: PyTree) -> jax.Array:
 def _reset_window(s: AccumulationState) -> AccumulationState:
   zero = jnp.zeros_like(s.weight_sum)
   return s._replace(
-      mini_step=jnp.zeros_like(s.mini_step),
-      acc=optax.tree.zeros_like(s.acc),
-      weight_sum=zero,
-      value_sum=zero,
-      value_weight=zero,
+    mini_step=jnp.zeros_like(s.mini_step),
+    acc=optax.tree.zeros_like(s.acc),
+    weight_sum=zero,
+    value_sum=zero,
+    value_weight=zero,
   )
 
 
@@ -181,5 +181,5 @@ def discard(opt_state: PyTree) -> PyTree:
     (0, 0.0)
   """
   return jax.tree.map(
-      lambda x: _reset_window(x) if _is_state(x) else x, opt_state, is_leaf=_is_state
+    lambda x: _reset_window(x) if _is_state(x) else x, opt_state, is_leaf=_is_state
   )

@@ -12,6 +12,7 @@ from optax_accum._loss_scale import (
   dynamic_loss_scale,
   static_loss_scale,
 )
+from optax_accum._microbatch import microbatched_value_and_grad, split_batch
 from optax_accum._scaled_grad import scaled_value_and_grad
 from optax_accum._state import Metrics, discard, get_loss_scale, metrics
 
@@ -28,6 +29,8 @@ __all__ = [
   "flush",
   "get_loss_scale",
   "metrics",
+  "microbatched_value_and_grad",
   "scaled_value_and_grad",
+  "split_batch",
   "static_loss_scale",
 ]

@@ -1,0 +1,20 @@
+"""Flax integration for :mod:`optax_accum` (needs the ``flax`` extra).
+
+Import it explicitly; ``import optax_accum`` never imports Flax::
+
+  import optax_accum.flax
+
+NNX: use ``nnx.Optimizer(model, optax_accum.accumulate(...), wrt=nnx.Param)``
+and ``optimizer.update(model, grads, weight=n_tokens)`` directly; the helpers
+here read the update counter (:func:`num_updates`; ``optimizer.step`` counts
+microbatches) and close (:func:`flush`) or drop (:func:`discard`) the open
+window in place.
+
+Linen: :class:`TrainState` forwards ``weight``/``flush`` and counts applied
+updates in ``step``.
+"""
+
+from optax_accum.flax._linen import TrainState
+from optax_accum.flax._nnx import discard, flush, num_updates
+
+__all__ = ["TrainState", "discard", "flush", "num_updates"]

@@ -1,0 +1,146 @@
+"""A Linen ``TrainState`` that passes microbatch weights and counts applied updates.
+
+Flax's ``flax.training.train_state.TrainState.apply_gradients`` forwards no
+extra arguments to ``tx.update`` and increments ``step`` on every call. With
+:func:`optax_accum.accumulate` each call is a microbatch, so this subclass
+forwards ``weight`` and ``flush`` and advances ``step`` only when a window was
+applied (not on microsteps, not on skipped non-finite windows). Code written
+for Flax's class keeps working: without ``weight`` every microbatch weighs 1,
+which is exact when the microbatches have equal sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import train_state
+
+from optax_accum._accumulate import flush as _flush_state
+from optax_accum._state import discard as _discard_state
+from optax_accum._state import find_states
+
+
+class TrainState(train_state.TrainState):
+  """Flax Linen ``TrainState`` for optimizers wrapped in :func:`optax_accum.accumulate`.
+
+  Create it exactly like Flax's (``TrainState.create(apply_fn=..., params=...,
+  tx=...)``). ``step`` counts *applied updates*: it is what schedules count
+  (``num_updates``), so use it for EMA, evaluation and checkpoint intervals.
+  With a ``tx`` that contains no ``accumulate``, ``step`` counts calls, as in
+  Flax.
+
+  Attributes:
+    step: applied updates since creation (int32 0-d array after the first call).
+    apply_fn: usually ``model.apply``.
+    params: the parameters.
+    tx: the optimizer, typically ``optax_accum.accumulate(inner, every_k)``.
+    opt_state: ``tx``'s state (holds the open window between calls).
+
+  Examples:
+    >>> import flax.linen as nn, optax, optax_accum, optax_accum.flax
+    >>> model = nn.Dense(1)
+    >>> x, y = jnp.ones((6, 2)), jnp.zeros((6, 1))
+    >>> state = optax_accum.flax.TrainState.create(
+    ...   apply_fn=model.apply, params=model.init(jax.random.key(0), x)['params'],
+    ...   tx=optax_accum.accumulate(optax.adamw(1e-3), every_k=2))
+    >>> loss = lambda p, x, y: ((state.apply_fn({'params': p}, x) - y) ** 2).mean()
+    >>> for n in (4, 2, 3):  # microbatches of 4, 2 and 3 examples
+    ...   state = state.apply_gradients(grads=jax.grad(loss)(state.params, x[:n], y[:n]),
+    ...                                 weight=n)
+    >>> int(state.step)  # one window of two microbatches applied, one open
+    1
+    >>> state = state.flush()  # apply the open window (the 3 examples)
+    >>> int(state.step)
+    2
+  """
+
+  @classmethod
+  def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs):
+    """Creates a state with ``step`` an int32 0-d zero and ``opt_state = tx.init(params)``.
+
+    Args:
+      apply_fn: usually ``model.apply``.
+      params: the parameters (a tree of arrays).
+      tx: the optimizer.
+      **kwargs: other dataclass fields of a subclass.
+
+    Returns:
+      The new state. ``step`` is an int32 array (not Flax's Python ``0``) so
+      that a jitted train step compiles once, not again after the first call.
+    """
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+  def _apply(self, updates_fn, grads: Any, **kwargs: Any) -> TrainState:
+    owg = grads is not None and OVERWRITE_WITH_GRADIENT in grads
+    params = self.params["params"] if owg else self.params
+    grads_opt = None if grads is None else (grads["params"] if owg else grads)
+    updates, new_opt_state = updates_fn(grads_opt, params)
+    new_params = optax.apply_updates(params, updates)
+    if owg:
+      new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+    states = find_states(new_opt_state)
+    if not states:  # a plain optax optimizer: every call is an update, as in Flax
+      applied = jnp.ones((), jnp.int32)
+    elif len(states) == 1:
+      applied = states[0].updated.astype(jnp.int32)
+    else:
+      raise ValueError(
+        f"tx contains {len(states)} optax_accum.accumulate transformations; TrainState "
+        "counts the updates of exactly one."
+      )
+    return self.replace(
+      step=self.step + applied, params=new_params, opt_state=new_opt_state, **kwargs
+    )
+
+  def apply_gradients(
+    self, *, grads: Any, weight: Any = 1, flush: Any = False, **kwargs: Any
+  ) -> TrainState:
+    """Adds one microbatch's gradients; applies the window at its boundary.
+
+    Args:
+      grads: gradient of the microbatch's *mean* loss, a tree like ``params``.
+      weight: examples or unmasked tokens that mean is over (a non-negative
+        scalar, may be traced). Default 1: every microbatch weighs the same.
+      flush: bool (may be traced); close the window after this microbatch even
+        if it is incomplete (the last microbatch of the data).
+      **kwargs: other dataclass fields to ``.replace()``, as in Flax.
+
+    Returns:
+      A new state: ``params`` and ``opt_state`` updated (params change only at
+      a boundary), ``step`` + 1 if a window was applied, else unchanged.
+
+    Raises:
+      TypeError, ValueError: from ``tx.update`` for a bad weight or grads that
+        do not match the params.
+    """
+    return self._apply(
+      lambda g, p: self.tx.update(g, self.opt_state, p, weight=weight, flush=flush),
+      grads,
+      **kwargs,
+    )
+
+  def flush(self, **kwargs: Any) -> TrainState:
+    """Closes and applies the open window without a new microbatch.
+
+    The window mean divides by the weight accumulated so far
+    (:func:`optax_accum.flush`). An empty window is a no-op (``step`` unchanged).
+
+    Args:
+      **kwargs: other dataclass fields to ``.replace()``.
+
+    Returns:
+      A new state with the open window applied.
+    """
+    return self._apply(lambda _, p: _flush_state(self.tx, self.opt_state, p), None, **kwargs)
+
+  def discard(self) -> TrainState:
+    """Drops the open window (:func:`optax_accum.discard`); params and ``step`` unchanged.
+
+    Returns:
+      A new state whose ``opt_state`` has an empty window.
+    """
+    return self.replace(opt_state=_discard_state(self.opt_state))

@@ -1,0 +1,186 @@
+"""Resuming from a checkpoint: restore targets and a compatibility check.
+
+A checkpoint of the whole optimizer state (mid-window included) resumes
+bitwise: the open window's sums, the window position and the inner state are
+all in the state. What can go wrong is restoring into a transformation that is
+configured differently. Orbax casts restored leaves to the target's dtypes
+without a word, and a different ``every_k`` would close the restored window at
+the wrong length. :func:`check_compatible` compares a restored state, or a
+checkpoint's metadata, with ``tx.init(params)`` and says what differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum._sharding import map_states, map_window, state_shardings
+from optax_accum._state import find_states
+
+PyTree = Any
+
+
+def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
+  """The shapes, dtypes and shardings of ``tx.init(params)``, without computing it.
+
+  Use it as the target of a sharded restore (``orbax.checkpoint``'s
+  ``StandardCheckpointer().restore(path, target)``); each restored leaf is then
+  read directly into its shard.
+
+  Args:
+    tx: any ``optax.GradientTransformation``.
+    params: a tree of sharded ``jax.Array`` or ``jax.ShapeDtypeStruct`` with
+      ``sharding`` (see :func:`optax_accum.state_shardings`).
+
+  Returns:
+    A tree of ``jax.ShapeDtypeStruct`` with the structure of the state.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> params = jax.device_put({'w': jnp.zeros(8)}, NamedSharding(mesh, P('data')))
+    >>> target = optax_accum.abstract_state(optax_accum.accumulate(optax.sgd(1.), 2), params)
+    >>> target.acc['w'].sharding.spec
+    P('data',)
+  """
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    jax.eval_shape(tx.init, params),
+    state_shardings(tx, params),
+  )
+
+
+def _key(entry: Any) -> str:
+  for attr in ("name", "key", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def _leaves_by_path(tree: PyTree) -> dict[str, Any]:
+  """Leaves keyed by a path that NamedTuples and Orbax's metadata dicts share."""
+  out = {}
+  is_leaf = lambda x: x is not None and hasattr(x, "shape") and hasattr(x, "dtype")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+    out[".".join(_key(e) for e in path)] = leaf
+  return out
+
+
+def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[int]:
+  """The ``every_k`` fingerprints ``tx.init`` writes, computed without materializing it."""
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
+
+  def fps():
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    return [s.every_k for s in find_states(tx.init(zeros))]
+
+  return [int(x) for x in jax.jit(fps)()]
+
+
+def check_compatible(
+  tx: optax.GradientTransformation, params: PyTree, state: PyTree, *, stacked: bool = False
+) -> PyTree:
+  """Checks that a restored optimizer state belongs to ``tx`` before training on.
+
+  Compares ``state`` with ``tx.init(params)`` (evaluated abstractly): the same
+  leaves (by path), shapes and dtypes, and the same ``every_k`` fingerprint in
+  every :func:`optax_accum.accumulate` state. Resuming a window with another
+  window length or accumulator dtype would silently mix windows or round the
+  open window's sum differently.
+
+  Orbax casts leaves to the restore target's dtypes, so a dtype change is only
+  visible in the checkpoint's metadata: check it before restoring, then the
+  restored values (for the fingerprint)::
+
+    meta = checkpointer.metadata(path).item_metadata.tree
+    optax_accum.check_compatible(tx, params, meta)
+    state = checkpointer.restore(path, optax_accum.abstract_state(tx, params))
+    optax_accum.check_compatible(tx, params, state)
+
+  Args:
+    tx: the transformation to resume with.
+    params: the params (arrays or ``jax.ShapeDtypeStruct``) it was initialized
+      with.
+    state: the restored state, or any tree of leaves with ``shape`` and
+      ``dtype`` (``jax.ShapeDtypeStruct``, Orbax ``ArrayMetadata``; nested
+      dicts and lists match NamedTuples and tuples by field name and index).
+    stacked: True for a state laid out by :func:`optax_accum.stack_windows`
+      (window sums with a leading device axis).
+
+  Returns:
+    ``state``, unchanged.
+
+  Raises:
+    ValueError: listing every differing leaf, or the fingerprints, with what
+      to do.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> params = {'w': jnp.zeros(3)}
+    >>> saved = optax_accum.accumulate(optax.sgd(1.0), every_k=4).init(params)
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=8)
+    >>> optax_accum.check_compatible(tx, params, saved)
+    Traceback (most recent call last):
+    ...
+    ValueError: The restored optimizer state was written with every_k=4 (-1 means a schedule)
+    but this transformation has every_k=8. ...
+  """
+  expected = jax.eval_shape(tx.init, params)
+  if stacked:
+    expected = _stacked_shapes(expected)
+  want, got = _leaves_by_path(expected), _leaves_by_path(state)
+  problems = []
+  for path in sorted(want.keys() - got.keys()):
+    problems.append(f"  {path}: missing from the restored state")
+  for path in sorted(got.keys() - want.keys()):
+    problems.append(f"  {path}: in the restored state but not in tx.init(params)")
+  for path in sorted(want.keys() & got.keys()):
+    w, g = want[path], got[path]
+    w_shape = tuple(w.shape)
+    g_shape = tuple(g.shape)
+    if stacked and w_shape and w_shape[0] == -1:
+      w_shape = (g_shape[0] if g_shape else -1, *w_shape[1:])
+    if w_shape != g_shape or jnp.dtype(w.dtype) != jnp.dtype(g.dtype):
+      problems.append(
+        f"  {path}: restored {jnp.dtype(g.dtype)}{list(g_shape)}, "
+        f"tx.init gives {jnp.dtype(w.dtype)}{list(w_shape)}"
+      )
+  if problems:
+    raise ValueError(
+      "The restored optimizer state does not match this transformation:\n"
+      + "\n".join(problems)
+      + "\nRestore with the configuration that wrote the checkpoint (the same inner "
+      "optimizer, accumulator_dtype and param dtypes), or start a fresh optimizer state "
+      "with tx.init(params) and keep only the params."
+    )
+  restored = [s.every_k for s in find_states(state)]
+  if restored and not any(isinstance(x, jax.core.Tracer) for x in restored):
+    restored_fp = [int(np.asarray(x)) for x in restored]
+    expected_fp = _fingerprints(tx, params)
+    if restored_fp != expected_fp:
+      show = lambda fp: fp[0] if len(fp) == 1 else fp
+      raise ValueError(
+        f"The restored optimizer state was written with every_k={show(restored_fp)} (-1 "
+        f"means a schedule) but this transformation has every_k={show(expected_fp)}. Its "
+        "open window would close at the wrong length and mix windows. Resume with the same "
+        "every_k, or finish the window with the old configuration (optax_accum.flush) and "
+        "start a fresh state with tx.init(params)."
+      )
+  return state
+
+
+class _Leaf:
+  """An expected leaf; a leading ``-1`` in ``shape`` matches any device-axis length."""
+
+  def __init__(self, shape: tuple[int, ...], dtype: Any):
+    self.shape, self.dtype = shape, dtype
+
+
+def _stacked_shapes(expected: PyTree) -> PyTree:
+  """Expected shapes with a leading device axis on the window sums."""
+  return map_states(lambda s: map_window(lambda a: _Leaf((-1, *a.shape), a.dtype), s), expected)

@@ -1,0 +1,360 @@
+"""Sharded optimizer states: placement under ``jit`` and per-device windows in ``shard_map``.
+
+Two ways to scale :func:`optax_accum.accumulate` out over a device mesh:
+
+* ``jax.jit`` with sharded params (data parallel or FSDP): :func:`init_sharded`
+  puts every state leaf shaped like a param (our accumulator and the inner
+  optimizer's moments) on that param's sharding. ``jax.jit(tx.init)`` alone
+  leaves the placement to the compiler, which puts the state on one device
+  when no mesh is set and replicates it under ``jax.set_mesh`` (as it does for
+  ``optax.adam``). With a data-sharded batch, the compiler all-reduces the
+  gradient on every microstep.
+* ``jax.shard_map`` with ``accumulate(..., axis_name=...)``: each device keeps
+  its own window sums and communicates once per window. The window sums
+  (``acc``, ``weight_sum``, ``value_sum``, ``value_weight``) differ between
+  devices, so between jitted calls they live on a leading device axis sharded
+  over the mesh axis (:func:`stack_windows`, :func:`window_specs`); inside the
+  ``shard_map`` body :func:`local_state` and :func:`stacked_state` drop and
+  restore that axis. Everything else in the state is identical on every device
+  and is replicated.
+
+:func:`count_collectives` reads compiled HLO text, to check how often a step
+communicates.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from optax_accum._accumulate import AccumulationState
+
+PyTree = Any
+
+# Fields of AccumulationState that hold one device's share of the open window.
+WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight")
+
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, AccumulationState)
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+  if isinstance(sharding, NamedSharding):
+    return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
+  if sharding.is_fully_replicated:
+    return sharding
+  raise TypeError(
+    f"Cannot derive a replicated sharding from {sharding!r}. Place the params with a "
+    "jax.sharding.NamedSharding (or on a single device)."
+  )
+
+
+def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
+  """Shardings for ``tx.init(params)``'s state, derived from the params' shardings.
+
+  Every subtree of the state with the params' tree structure and shapes (our
+  accumulator, Adam's ``mu`` and ``nu``, ...) gets the params' shardings leaf
+  by leaf; any other leaf with the shape of a param gets that param's sharding
+  when all params of that shape share one; the rest (counters, scalars,
+  factored moments) is replicated on the params' mesh. Dtypes do not matter: a
+  float32 accumulator of a bfloat16 param is sharded like the param.
+
+  Args:
+    params: a tree of ``jax.Array`` (or ``jax.ShapeDtypeStruct`` with a
+      ``sharding``), all on one mesh, e.g. placed with
+      ``jax.device_put(params, NamedSharding(mesh, spec))``.
+
+  Returns:
+    A tree of ``jax.sharding.Sharding`` with the structure of the state: use
+    it as ``out_shardings`` of ``jax.jit(tx.init)``, or in the abstract target
+    of a checkpoint restore.
+
+  Raises:
+    TypeError: if a param has no sharding (a NumPy array) or a sharding from
+      which no replicated sharding can be derived.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> params = jax.device_put({'w': jnp.zeros((8, 2))}, NamedSharding(mesh, P('data')))
+    >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
+    >>> sh = optax_accum.state_shardings(tx, params)
+    >>> sh.acc['w'].spec, sh.inner_state[0].mu['w'].spec, sh.mini_step.spec
+    (P('data',), P('data',), P())
+  """
+  p_leaves, p_def = jax.tree.flatten(params)
+  if not p_leaves:
+    return jax.tree.map(lambda _: None, jax.eval_shape(tx.init, params))
+  p_shardings = []
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = getattr(p, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+      raise TypeError(
+        f"Param {jax.tree_util.keystr(path)} has no sharding ({type(p).__name__}). Place "
+        "the params on the mesh first, e.g. jax.device_put(params, shardings)."
+      )
+    p_shardings.append(sharding)
+  p_shapes = [np.shape(p) for p in p_leaves]
+  replicated = _replicated(p_shardings[0])
+  by_shape: dict[tuple[int, ...], list[jax.sharding.Sharding]] = collections.defaultdict(list)
+  for shape, sharding in zip(p_shapes, p_shardings, strict=True):
+    by_shape[shape].append(sharding)
+
+  def like_params(x: Any) -> bool:
+    leaves, treedef = jax.tree.flatten(x)
+    return treedef == p_def and [np.shape(leaf) for leaf in leaves] == p_shapes
+
+  def assign(x: Any) -> Any:
+    if like_params(x):
+      return jax.tree.unflatten(p_def, p_shardings)
+    same_shape = by_shape.get(tuple(x.shape), [])
+    if x.ndim and same_shape and all(s == same_shape[0] for s in same_shape):
+      return same_shape[0]
+    return replicated
+
+  abstract = jax.eval_shape(tx.init, params)
+  return jax.tree.map(assign, abstract, is_leaf=like_params)
+
+
+def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
+  """``tx.init(params)`` compiled with the state placed like the params.
+
+  Works for any optax transformation (the inner optimizer's moments included)
+  in every mesh mode: an Auto-axes ``Mesh`` with or without ``jax.set_mesh``,
+  and an Explicit mesh from ``jax.make_mesh``. Call it outside ``jit``; it
+  jits ``tx.init`` itself with ``out_shardings=state_shardings(tx, params)``.
+
+  Args:
+    tx: any ``optax.GradientTransformation``.
+    params: a tree of sharded ``jax.Array`` (see :func:`state_shardings`).
+
+  Returns:
+    The initial state; leaves shaped like a param have that param's sharding,
+    scalars are replicated over the params' mesh.
+
+  Raises:
+    TypeError: as :func:`state_shardings`.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((4, 2), ('data', 'model'))
+    >>> params = jax.device_put({'w': jnp.zeros((8, 4))}, NamedSharding(mesh, P('data')))
+    >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
+    >>> state = optax_accum.init_sharded(tx, params)
+    >>> state.acc['w'].sharding == params['w'].sharding
+    True
+  """
+  return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
+
+
+def map_states(fn, opt_state: PyTree, other=None) -> PyTree:
+  """Applies ``fn(state)`` to every AccumulationState; ``other(leaf)`` to other leaves."""
+
+  def visit(x):
+    if _is_state(x):
+      return fn(x)
+    return x if other is None else other(x)
+
+  return jax.tree.map(visit, opt_state, is_leaf=_is_state)
+
+
+def map_window(fn, state: AccumulationState, rest=None) -> AccumulationState:
+  fields = {}
+  for name, value in state._asdict().items():
+    if name in WINDOW_FIELDS:
+      fields[name] = jax.tree.map(fn, value)
+    elif rest is not None:
+      fields[name] = jax.tree.map(rest, value)
+    else:
+      fields[name] = value
+  return AccumulationState(**fields)
+
+
+def window_specs(opt_state: PyTree, axis_name: str) -> PyTree:
+  """``PartitionSpec``s for an optimizer state passed through ``jax.shard_map``.
+
+  Use them as the state's entry of ``in_specs`` and ``out_specs``. The window
+  sums of every :class:`AccumulationState` (``acc``, ``weight_sum``,
+  ``value_sum``, ``value_weight``) are per device: ``P(axis_name)`` on their
+  leading device axis (see :func:`stack_windows`). Every other leaf is the
+  same on every device: ``P()``.
+
+  Args:
+    opt_state: the optimizer state (or its ``jax.eval_shape``), with or
+      without the device axis.
+    axis_name: the mesh axis the windows are accumulated over, the same as
+      ``accumulate(..., axis_name=...)``.
+
+  Returns:
+    A tree of ``PartitionSpec`` with the structure of ``opt_state``.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
+    >>> specs = optax_accum.window_specs(tx.init({'w': jnp.zeros(3)}), 'data')
+    >>> specs.acc['w'], specs.weight_sum, specs.num_updates
+    (P('data',), P('data',), P())
+  """
+  per_device = PartitionSpec(axis_name)
+  replicated = PartitionSpec()
+  return map_states(
+    lambda s: map_window(lambda _: per_device, s, lambda _: replicated),
+    opt_state,
+    lambda _: replicated,
+  )
+
+
+def stack_windows(opt_state: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
+  """Places a state on ``mesh`` for a ``shard_map`` step, one window per device.
+
+  Call it once, outside ``jit``, on a fresh ``tx.init(params)`` state. The
+  window sums get a leading axis of length ``mesh.shape[axis_name]`` (a copy
+  per device, sharded ``P(axis_name)``); every other leaf is replicated. Each
+  device then reads only its own block. Works across processes: every
+  process passes the same ``opt_state`` (as each one computes from the same
+  ``tx.init``).
+
+  Args:
+    opt_state: an optimizer state containing ``accumulate`` states, without
+      a device axis (host-fetchable arrays).
+    mesh: the device mesh of the ``shard_map``.
+    axis_name: the mesh axis of the data-parallel replicas.
+
+  Returns:
+    The state with global ``jax.Array`` leaves laid out per :func:`window_specs`.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
+    >>> state = optax_accum.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
+    >>> state.acc['w'].shape, state.weight_sum.shape, state.mini_step.shape
+    ((8, 3), (8,), ())
+  """
+  n = mesh.shape[axis_name]
+  stacked = map_states(
+    lambda s: map_window(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), s),
+    opt_state,
+  )
+  specs = window_specs(stacked, axis_name)
+
+  def place(x, spec):
+    x = np.asarray(x)
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return jax.tree.map(place, stacked, specs)
+
+
+def local_state(opt_state: PyTree) -> PyTree:
+  """Inside ``shard_map``: drops the device axis (block of 1) of the window sums.
+
+  The result is a state ``tx.update`` accepts. :func:`stacked_state` undoes it
+  before the state is returned from the ``shard_map`` body.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
+    >>> block = optax_accum.stacked_state(tx.init({'w': jnp.zeros(3)}))
+    >>> block.acc['w'].shape, optax_accum.local_state(block).acc['w'].shape
+    ((1, 3), (3,))
+  """
+  return map_states(lambda s: map_window(lambda x: x[0], s), opt_state)
+
+
+def stacked_state(opt_state: PyTree) -> PyTree:
+  """Inside ``shard_map``: gives the window sums back their device axis (a block of 1).
+
+  Inverse of :func:`local_state`; see its example.
+  """
+  return map_states(lambda s: map_window(lambda x: x[None], s), opt_state)
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+# The opcode: the first lowercase ``name(`` right of ``=`` (types hold none).
+_OPCODE = re.compile(r"(?<![\w%.\-])([a-z][\w\-]*)\(")
+_BRANCHES = re.compile(
+  r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)"
+  r"|false_computation=%?([\w.\-]+))"
+)
+_CALLEES = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def count_collectives(hlo_text: str) -> dict[str, collections.Counter]:
+  """Counts the collectives of a compiled program, inside and outside conditionals.
+
+  A step of :func:`optax_accum.accumulate` runs its boundary in a
+  ``lax.cond``; communication there happens once per window, communication
+  outside it on every microstep. Async pairs (``all-reduce-start``/``-done``)
+  count once.
+
+  Args:
+    hlo_text: ``jax.jit(step).lower(*args).compile().as_text()``.
+
+  Returns:
+    ``{'outside': Counter, 'in_conditional': Counter}`` keyed by opcode
+    (``'all-reduce'``, ``'all-gather'``, ``'reduce-scatter'``,
+    ``'all-to-all'``, ``'collective-permute'``). A variadic all-reduce of
+    several arrays counts once.
+
+  Examples:
+    >>> import optax_accum
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> f = jax.shard_map(lambda x: jax.lax.psum(x, 'data'), mesh=mesh,
+    ...                   in_specs=P('data'), out_specs=P())
+    >>> x = jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P('data')))
+    >>> c = optax_accum.count_collectives(jax.jit(f).lower(x).compile().as_text())
+    >>> c['outside']['all-reduce'], c['in_conditional']['all-reduce']
+    (1, 0)
+  """
+  bodies: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    match = _COMPUTATION.match(line)
+    if match and "=" not in line.split("{")[0].split("(")[0]:
+      current = match.group(1)
+      bodies[current] = []
+    elif current is not None:
+      bodies[current].append(line)
+  calls: dict[str, set[str]] = collections.defaultdict(set)
+  branch_roots: set[str] = set()
+  for name, lines in bodies.items():
+    for line in lines:
+      for match in _BRANCHES.finditer(line):
+        names = match.group(1) or match.group(2) or match.group(3)
+        branch_roots.update(n.strip().lstrip("%") for n in names.split(","))
+      calls[name].update(_CALLEES.findall(line))
+  inside = set()
+  todo = list(branch_roots)
+  while todo:
+    name = todo.pop()
+    if name not in inside:
+      inside.add(name)
+      todo.extend(calls.get(name, ()))
+      for line in bodies.get(name, ()):
+        for match in _BRANCHES.finditer(line):
+          names = match.group(1) or match.group(2) or match.group(3)
+          todo.extend(n.strip().lstrip("%") for n in names.split(","))
+  counts = {"outside": collections.Counter(), "in_conditional": collections.Counter()}
+  for name, lines in bodies.items():
+    where = "in_conditional" if name in inside else "outside"
+    for line in lines:
+      _, eq, rhs = line.partition(" = ")
+      match = _OPCODE.search(rhs) if eq else None
+      if match is None:
+        continue
+      op = match.group(1).removesuffix("-start")
+      if op in COLLECTIVES:
+        counts[where][op] += 1
+  return counts

@@ -13,7 +13,17 @@ from optax_accum._loss_scale import (
   static_loss_scale,
 )
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
+from optax_accum._resume import abstract_state, check_compatible
 from optax_accum._scaled_grad import scaled_value_and_grad
+from optax_accum._sharding import (
+  count_collectives,
+  init_sharded,
+  local_state,
+  stack_windows,
+  stacked_state,
+  state_shardings,
+  window_specs,
+)
 from optax_accum._state import Metrics, discard, get_loss_scale, metrics
 
 __version__ = "0.1.0"
@@ -23,14 +33,23 @@ __all__ = [
   "DynamicLossScale",
   "Metrics",
   "StaticLossScale",
+  "abstract_state",
   "accumulate",
+  "check_compatible",
+  "count_collectives",
   "discard",
   "dynamic_loss_scale",
   "flush",
   "get_loss_scale",
+  "init_sharded",
+  "local_state",
   "metrics",
   "microbatched_value_and_grad",
   "scaled_value_and_grad",
   "split_batch",
+  "stack_windows",
+  "stacked_state",
+  "state_shardings",
   "static_loss_scale",
+  "window_specs",
 ]

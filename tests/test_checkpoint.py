@@ -1,0 +1,225 @@
+"""Resume mid-window from an Orbax checkpoint (case C12), sharded; refuse a different config.
+
+Run A goes straight through 12 microbatches (every_k=4, adamw, model M2). Run B
+saves the whole optimizer state after microbatch 6 (mid-window), restores it
+from disk into a fresh state object and continues with microbatch 7. Params,
+state and emitted updates must be bitwise equal.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+AXIS = "data"
+N_DEV = 8
+EVERY_K = 4
+SAVE_AFTER = 6
+
+
+def loss_fn(params, batch):
+  """M2: masked mean squared error of x @ theta + b."""
+  err = batch["x"] @ params["theta"] + params["b"] - batch["y"]
+  return jnp.sum(jnp.where(batch["mask"], 0.5 * err**2, 0.0)) / jnp.sum(batch["mask"])
+
+
+def make_batches(n=12, rows=16, seed=0):
+  rng = np.random.default_rng(seed)
+  return [
+    {
+      "x": rng.normal(size=(rows, 3)).astype(np.float32),
+      "y": rng.normal(size=(rows,)).astype(np.float32),
+      "mask": rng.random(rows) < 0.7,
+    }
+    for _ in range(n)
+  ]
+
+
+def make_tx(every_k=EVERY_K, **kwargs):
+  return optax_accum.accumulate(optax.adamw(1e-2, weight_decay=1e-2), every_k, **kwargs)
+
+
+def jit_step(tx):
+  @jax.jit
+  def step(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, weight=jnp.sum(batch["mask"]))
+    return optax.apply_updates(params, updates), opt_state, updates
+
+  return step
+
+
+def save(path, tree):
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, tree)
+    ckptr.wait_until_finished()
+
+
+def restore(path, target):
+  with ocp.StandardCheckpointer() as ckptr:
+    return ckptr.restore(path, target)
+
+
+def metadata(path):
+  with ocp.StandardCheckpointer() as ckptr:
+    return ckptr.metadata(path).item_metadata.tree
+
+
+def run(step, params, opt_state, batches, sharding):
+  trace = []
+  for batch in batches:
+    params, opt_state, updates = step(params, opt_state, jax.device_put(batch, sharding))
+    trace.append(updates)
+  return params, opt_state, trace
+
+
+def test_resume_mid_window_is_bitwise_equal(tmp_path):
+  mesh = Mesh(np.array(jax.devices()), (AXIS,))  # Auto axes, no mesh context
+  # theta (8,) sharded over the devices (FSDP), b replicated.
+  params0 = jax.device_put(
+    {"theta": jnp.linspace(-1.0, 1.0, 8), "b": jnp.zeros(())},
+    {"theta": NamedSharding(mesh, P(AXIS)), "b": NamedSharding(mesh, P())},
+  )
+  rng = np.random.default_rng(0)
+  batches = [
+    {
+      "x": rng.normal(size=(16, 8)).astype(np.float32),
+      "y": rng.normal(size=(16,)).astype(np.float32),
+      "mask": rng.random(16) < 0.7,
+    }
+    for _ in range(12)
+  ]
+  batch_sharding = NamedSharding(mesh, P(AXIS))
+  tx = make_tx()
+  step = jit_step(tx)
+
+  # Run A: straight through.
+  params_a, state_a, updates_a = run(
+    step, params0, optax_accum.init_sharded(tx, params0), batches, batch_sharding
+  )
+
+  # Run B: save after microbatch 6, mid-window.
+  params_b, state_b, updates_b = run(
+    step,
+    params0,
+    optax_accum.init_sharded(tx, params0),
+    batches[:SAVE_AFTER],
+    batch_sharding,
+  )
+  assert int(optax_accum.metrics(state_b).mini_step) == SAVE_AFTER % EVERY_K  # mid-window
+  save(tmp_path / "ckpt", {"params": params_b, "opt_state": state_b})
+  del params_b, state_b
+
+  fresh_tx = make_tx()  # a new process would build the transformation again
+  target = {
+    "params": jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params0
+    ),
+    "opt_state": optax_accum.abstract_state(fresh_tx, params0),
+  }
+  optax_accum.check_compatible(fresh_tx, params0, metadata(tmp_path / "ckpt")["opt_state"])
+  restored = restore(tmp_path / "ckpt", target)
+  params_b = restored["params"]
+  state_b = optax_accum.check_compatible(fresh_tx, params0, restored["opt_state"])
+  assert isinstance(state_b, optax_accum.AccumulationState)
+  assert state_b.acc["theta"].sharding.is_equivalent_to(params0["theta"].sharding, 1)
+  resume_at = int(optax_accum.metrics(state_b).num_microbatches)
+  assert resume_at == SAVE_AFTER  # the data position to resume from
+  params_b, state_b, rest = run(
+    jit_step(fresh_tx), params_b, state_b, batches[resume_at:], batch_sharding
+  )
+  updates_b += rest
+
+  chex.assert_trees_all_equal(params_b, params_a)
+  chex.assert_trees_all_equal(state_b, state_a)
+  chex.assert_trees_all_equal(updates_b, updates_a)
+  assert int(state_a.num_updates) == 3
+
+
+def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
+  """The per-device window sums (a leading device axis) save and restore sharded."""
+  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  tx = make_tx(axis_name=AXIS)
+  params0 = {"theta": jnp.array([0.5, -1.0, 2.0]), "b": jnp.zeros(())}
+  params = jax.device_put(params0, NamedSharding(mesh, P()))
+  opt_state = optax_accum.stack_windows(tx.init(params0), mesh, AXIS)
+  specs = optax_accum.window_specs(opt_state, AXIS)
+
+  def body(params, opt_state, batch):
+    opt_state = optax_accum.local_state(opt_state)
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, weight=jnp.sum(batch["mask"]))
+    return optax.apply_updates(params, updates), optax_accum.stacked_state(opt_state), updates
+
+  step = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P(), specs, P(AXIS)),
+      out_specs=(P(), specs, P()),
+      check_vma=False,
+    )
+  )
+  batches = make_batches(n=12, rows=N_DEV * 4, seed=3)
+  batch_sharding = NamedSharding(mesh, P(AXIS))
+  params_a, state_a, updates_a = run(step, params, opt_state, batches, batch_sharding)
+  params_b, state_b, updates_b = run(step, params, opt_state, batches[:SAVE_AFTER], batch_sharding)
+  save(tmp_path / "ckpt", state_b)
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_b
+  )
+  del state_b
+  optax_accum.check_compatible(tx, params0, metadata(tmp_path / "ckpt"), stacked=True)
+  state_b = optax_accum.check_compatible(
+    tx, params0, restore(tmp_path / "ckpt", target), stacked=True
+  )
+  assert state_b.acc["theta"].shape == (N_DEV, 3)
+  assert state_b.acc["theta"].sharding.is_equivalent_to(NamedSharding(mesh, P(AXIS)), 2)
+  params_b, state_b, rest = run(step, params_b, state_b, batches[SAVE_AFTER:], batch_sharding)
+  chex.assert_trees_all_equal((params_b, state_b, updates_b + rest), (params_a, state_a, updates_a))
+  with pytest.raises(ValueError, match="acc"):  # a stacked state is not a plain one
+    optax_accum.check_compatible(tx, params0, state_b)
+
+
+@pytest.fixture
+def mid_window_checkpoint(tmp_path):
+  params = {"theta": jnp.array([0.5, -1.0, 2.0]), "b": jnp.zeros(())}
+  tx = make_tx()
+  step = jit_step(tx)
+  opt_state = tx.init(params)
+  for batch in make_batches(n=SAVE_AFTER):
+    params, opt_state, _ = step(params, opt_state, batch)
+  save(tmp_path / "ckpt", opt_state)
+  return tmp_path / "ckpt", params
+
+
+def test_restore_into_another_every_k_raises(mid_window_checkpoint):
+  path, params = mid_window_checkpoint
+  other = make_tx(every_k=8)
+  # Shapes and dtypes agree, so the metadata check passes; the fingerprint does not.
+  optax_accum.check_compatible(other, params, metadata(path))
+  state = restore(path, jax.eval_shape(other.init, params))
+  with pytest.raises(ValueError, match=r"every_k=4 .* every_k=8"):
+    optax_accum.check_compatible(other, params, state)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  with pytest.raises(ValueError, match="every_k=4"):  # update() refuses it too
+    other.update(grads, state, params)
+
+
+def test_restore_into_another_accumulator_dtype_raises(mid_window_checkpoint):
+  path, params = mid_window_checkpoint
+  other = make_tx(accumulator_dtype=jnp.bfloat16)
+  with pytest.raises(
+    ValueError, match=r"acc\.theta: restored float32\[3\], tx.init gives bfloat16"
+  ):
+    optax_accum.check_compatible(other, params, metadata(path))
+  # Why the metadata is checked: Orbax casts to the target's dtype without a word.
+  state = restore(path, jax.eval_shape(other.init, params))
+  assert state.acc["theta"].dtype == jnp.bfloat16

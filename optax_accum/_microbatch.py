@@ -87,11 +87,25 @@ def split_batch(batch: PyTree, num_microbatches: int, *, strided: bool = True) -
 
   def split(x):
     x = jnp.asarray(x)
-    if strided:
+    if strided:  # [B/K, K, ...]: each device's rows stay in place.
       return jnp.swapaxes(x.reshape((n // k, k) + x.shape[1:]), 0, 1)
-    return x.reshape((k, n // k) + x.shape[1:])
+    return jax.lax.reshape(x, (k, n // k) + x.shape[1:], out_sharding=_contiguous_sharding(x))
 
   return jax.tree.map(split, batch)
+
+
+def _contiguous_sharding(x: jax.Array) -> Any:
+  """Output sharding for a contiguous split of a batch with explicit sharding on axis 0.
+
+  Under ``jax.sharding.AxisType.Explicit`` a reshape that cuts the sharded
+  axis into ``[K, B/K]`` needs its output sharding spelled out; the rows stay
+  sharded within each microbatch (this moves data: use the strided split).
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if not spec or spec[0] is None:
+    return None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:

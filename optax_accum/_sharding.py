@@ -179,7 +179,7 @@ def map_window(fn, state: AccumulationState, rest=None) -> AccumulationState:
   return AccumulationState(**fields)
 
 
-def window_specs(opt_state: PyTree, axis_name: str) -> PyTree:
+def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   """``PartitionSpec``s for an optimizer state passed through ``jax.shard_map``.
 
   Use them as the state's entry of ``in_specs`` and ``out_specs``. The window
@@ -191,8 +191,8 @@ def window_specs(opt_state: PyTree, axis_name: str) -> PyTree:
   Args:
     opt_state: the optimizer state (or its ``jax.eval_shape``), with or
       without the device axis.
-    axis_name: the mesh axis the windows are accumulated over, the same as
-      ``accumulate(..., axis_name=...)``.
+    axis_name: the mesh axis (or tuple of axes) the windows are accumulated
+      over, the same as ``accumulate(..., axis_name=...)``.
 
   Returns:
     A tree of ``PartitionSpec`` with the structure of ``opt_state``.
@@ -213,7 +213,9 @@ def window_specs(opt_state: PyTree, axis_name: str) -> PyTree:
   )
 
 
-def stack_windows(opt_state: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
+def stack_windows(
+  opt_state: PyTree, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]
+) -> PyTree:
   """Places a state on ``mesh`` for a ``shard_map`` step, one window per device.
 
   Call it once, outside ``jit``, on a fresh ``tx.init(params)`` state. The
@@ -227,7 +229,7 @@ def stack_windows(opt_state: PyTree, mesh: jax.sharding.Mesh, axis_name: str) ->
     opt_state: an optimizer state containing ``accumulate`` states, without
       a device axis (host-fetchable arrays).
     mesh: the device mesh of the ``shard_map``.
-    axis_name: the mesh axis of the data-parallel replicas.
+    axis_name: the mesh axis (or tuple of axes) of the data-parallel replicas.
 
   Returns:
     The state with global ``jax.Array`` leaves laid out per :func:`window_specs`.
@@ -240,7 +242,8 @@ def stack_windows(opt_state: PyTree, mesh: jax.sharding.Mesh, axis_name: str) ->
     >>> state.acc['w'].shape, state.weight_sum.shape, state.mini_step.shape
     ((8, 3), (8,), ())
   """
-  n = mesh.shape[axis_name]
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  n = int(np.prod([mesh.shape[a] for a in axes]))
   stacked = map_states(
     lambda s: map_window(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), s),
     opt_state,

@@ -16,6 +16,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# The scale lives in a float32 state: anything above this would be inf there.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +123,10 @@ def static_loss_scale(value: float) -> StaticLossScale:
     1024.0
   """
   value = float(value)
-  if not (value > 0 and value < float("inf")):
-    raise ValueError(f"static_loss_scale needs a finite value > 0, got {value}.")
+  if not 0 < value <= _FLOAT32_MAX:
+    raise ValueError(
+      f"static_loss_scale needs a value > 0 that is finite in float32 (<= 3.4e38), got {value}."
+    )
   return StaticLossScale(value)
 
 
@@ -167,16 +173,16 @@ def dynamic_loss_scale(
     >>> float(optax_accum.get_loss_scale(state))
     1024.0
   """
-  finite = float("inf")
+  finite = _FLOAT32_MAX  # the scale is stored in float32
   checks = [
-    (0 < init_scale < finite, "init_scale must be finite and > 0"),
+    (0 < init_scale <= finite, "init_scale must be > 0 and finite in float32"),
     (growth_factor > 1, "growth_factor must be > 1"),
     (0 < backoff_factor < 1, "backoff_factor must be in (0, 1)"),
     (
       int(growth_interval) == growth_interval and growth_interval >= 1,
       "growth_interval must be an integer >= 1",
     ),
-    (0 < min_scale <= max_scale < finite, "need 0 < min_scale <= max_scale < inf"),
+    (0 < min_scale <= max_scale <= finite, "need 0 < min_scale <= max_scale <= 3.4e38"),
     (min_scale <= init_scale <= max_scale, "init_scale must lie in [min_scale, max_scale]"),
   ]
   for ok, message in checks:

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from optax_accum._accumulate import AccumulationState
 
@@ -25,11 +24,14 @@ def _is_state(x: Any) -> bool:
   return isinstance(x, AccumulationState)
 
 
+def _is_variable(x: Any) -> bool:
+  """Whether ``x`` is a Flax ``nnx.Variable`` (e.g. ``OptArray``), by duck typing."""
+  return not isinstance(x, jax.Array) and hasattr(x, "get_value") and hasattr(x, "replace")
+
+
 def _unwrap(x: Any) -> Any:
-  """The array inside a Flax ``nnx.Variable`` (e.g. ``OptArray``), else ``x``."""
-  if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
-    return x
-  return x.get_value()
+  """The array inside a Flax ``nnx.Variable``, else ``x``."""
+  return x.get_value() if _is_variable(x) else x
 
 
 def find_states(tree: PyTree) -> list[AccumulationState]:
@@ -37,7 +39,7 @@ def find_states(tree: PyTree) -> list[AccumulationState]:
   found = [
     leaf for leaf in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(leaf, AccumulationState)
   ]
-  return [jax.tree.map(_unwrap, s, is_leaf=lambda x: hasattr(x, "get_value")) for s in found]
+  return [jax.tree.map(_unwrap, s, is_leaf=_is_variable) for s in found]
 
 
 def find_state(tree: PyTree) -> AccumulationState:
@@ -145,14 +147,22 @@ def get_loss_scale(opt_state: PyTree) -> jax.Array:
   return find_state(opt_state).loss_scale
 
 
+def _zeros_like(tree: PyTree) -> PyTree:
+  """Zeros like ``tree``; Flax variables stay variables (holding zeros)."""
+
+  def zero(x):
+    return x.replace(jnp.zeros_like(x.get_value())) if _is_variable(x) else jnp.zeros_like(x)
+
+  return jax.tree.map(zero, tree, is_leaf=_is_variable)
+
+
 def _reset_window(s: AccumulationState) -> AccumulationState:
-  zero = jnp.zeros_like(s.weight_sum)
   return s._replace(
-    mini_step=jnp.zeros_like(s.mini_step),
-    acc=optax.tree.zeros_like(s.acc),
-    weight_sum=zero,
-    value_sum=zero,
-    value_weight=zero,
+    mini_step=_zeros_like(s.mini_step),
+    acc=_zeros_like(s.acc),
+    weight_sum=_zeros_like(s.weight_sum),
+    value_sum=_zeros_like(s.value_sum),
+    value_weight=_zeros_like(s.value_weight),
   )
 
 
@@ -166,7 +176,8 @@ def discard(opt_state: PyTree) -> PyTree:
 
   Args:
     opt_state: any optimizer state containing :func:`optax_accum.accumulate`
-      states (every one found is reset), as a tree of arrays.
+      states (every one found is reset): a tree of arrays, or Flax's
+      ``nnx.Optimizer.opt_state`` (assign the result back to it).
 
   Returns:
     A state of the same structure with the open window(s) emptied.

@@ -106,12 +106,6 @@ def test_helpers_through_nnx_optimizer(wrapper):
     assert isinstance(leaf, jax.Array)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="discard() replaces nnx OptArray variables by plain arrays (mini_step, weight_sum, "
-  "value_sum, value_weight): the tree structure changes and the result cannot be put back "
-  "into nnx.Optimizer (ValueError: Cannot set key 'mini_step' on immutable node)",
-)
 def test_discard_through_nnx_optimizer_keeps_structure():
   _, model, opt, grads = _nnx_setup(_acc())
   opt.update(model, grads, weight=5.0)

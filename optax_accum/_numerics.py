@@ -29,6 +29,16 @@ def scalar_dtype() -> jnp.dtype:
   return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
+def promote_types(a: Any, b: Any) -> jnp.dtype:
+  """``jnp.promote_types`` that also works under ``jax_numpy_dtype_promotion='strict'``.
+
+  Choosing an accumulator dtype is our explicit decision, not an implicit
+  promotion, so it must not raise in strict mode.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return jnp.dtype(jnp.promote_types(a, b))
+
+
 def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
   """The accumulator dtype for one gradient leaf.
 
@@ -53,7 +63,7 @@ def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
       "filter them out of the params tree, e.g. with optax.masked)."
     )
   if override is None:
-    return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.promote_types(grad_dtype, jnp.float32)))
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(promote_types(grad_dtype, jnp.float32)))
   override = jnp.dtype(override)
   if not jnp.issubdtype(override, jnp.inexact):
     raise TypeError(f"accumulator_dtype must be a float or complex dtype, got {override}.")
@@ -114,12 +124,13 @@ def weighted_add(acc: PyTree, grads: PyTree, weight: jax.Array) -> PyTree:
 
   A microbatch with ``weight == 0`` adds exactly nothing, even when its gradient
   is NaN (an all-padding microbatch's masked mean is 0/0): selected, not
-  multiplied.
+  multiplied. A (traced) negative weight subtracts its microbatch, consistently
+  from the sum and from the weight sum.
   """
 
   def add(a, g):
     w = weight.astype(a.dtype)
-    return a + jnp.where(weight > 0, w * g.astype(a.dtype), jnp.zeros((), a.dtype))
+    return a + jnp.where(weight != 0, w * g.astype(a.dtype), jnp.zeros((), a.dtype))
 
   return jax.tree.map(add, acc, grads)
 

@@ -120,7 +120,8 @@ def _zeros_acc(tree: PyTree, override: Any = None) -> PyTree:
   """Zero sums for ``tree`` in the accumulator dtype (integers and bools become float)."""
 
   def zeros(x):
-    dt = jnp.promote_types(jnp.result_type(x), jnp.float32)
+    dt = jnp.result_type(x)
+    dt = dt if jnp.issubdtype(dt, jnp.inexact) else _numerics.scalar_dtype()
     return jnp.zeros(np.shape(x), _numerics.accumulator_dtype(dt, override))
 
   return jax.tree.map(zeros, tree)

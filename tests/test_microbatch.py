@@ -317,3 +317,20 @@ def test_errors():
   )
   with pytest.raises(TypeError, match="boolean"):
     h(params, batch)
+
+
+def test_strict_dtype_promotion_and_integer_aux(token_data):
+  params, batch = token_data
+
+  def loss_fn(p, b):
+    return testing.token_loss(p, b), {"rows": jnp.asarray(b["mask"].shape[0], jnp.int32)}
+
+  with jax.numpy_dtype_promotion("strict"):
+    f = optax_accum.microbatched_value_and_grad(
+      loss_fn, K, weight_fn=tokens, has_aux=True, loss_scale=8.0
+    )
+    (loss, aux), grads = jax.jit(f)(params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, batch)
+  chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
+  # An integer aux comes back as its float weighted mean: every microbatch has 4 rows.
+  chex.assert_trees_all_equal(aux["rows"], jnp.asarray(16 / K, jnp.float32))

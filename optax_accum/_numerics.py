@@ -162,3 +162,15 @@ def saturating_increment(counter: jax.Array, pred: Any = True) -> jax.Array:
   """``counter + 1`` where ``pred``, never past :data:`COUNTER_MAX`."""
   bumped = jnp.where(counter >= COUNTER_MAX, counter, counter + jnp.ones_like(counter))
   return jnp.where(pred, bumped, counter)
+
+
+def zeros_like_placed(x: jax.Array, dtype: Any) -> jax.Array:
+  """Zeros with ``x``'s shape and sharding in ``dtype``, also when traced under ``jit``.
+
+  Under ``jit`` ``jnp.zeros_like`` is a constant with no tie to ``x``, so the
+  compiler puts it on one device (or replicates it under ``jax.set_mesh``).
+  Selecting from ``x`` with an all-False mask ties the zeros to ``x``'s
+  sharding; XLA folds the select away, so nothing of ``x`` is read and a NaN in
+  ``x`` cannot leak (selected, not multiplied).
+  """
+  return jnp.where(jnp.zeros(jnp.shape(x), jnp.bool_), x.astype(dtype), jnp.zeros((), dtype))

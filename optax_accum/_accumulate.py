@@ -252,7 +252,9 @@ def accumulate(
   def init_fn(params: PyTree) -> AccumulationState:
     fdt = _numerics.scalar_dtype()
     acc = jax.tree.map(
-      lambda p: jnp.zeros_like(p, dtype=_numerics.accumulator_dtype(p.dtype, accumulator_dtype)),
+      lambda p: _numerics.zeros_like_placed(
+        p, _numerics.accumulator_dtype(p.dtype, accumulator_dtype)
+      ),
       params,
     )
     zero_i = jnp.zeros((), jnp.int32)
@@ -353,7 +355,9 @@ def accumulate(
         adj_scale, adj_streak = loss_scale.adjust(state.loss_scale, state.growth_streak, finite)
         new_scale = jnp.where(empty, new_scale, adj_scale)
         new_streak = jnp.where(empty, new_streak, adj_streak)
-      zero_f = jnp.zeros((), weight_sum.dtype)
+      # zeros_like keeps weight_sum's device variance (shard_map with check_vma=True),
+      # so both cond branches return the same type.
+      zero_f = jnp.zeros_like(weight_sum)
       new_state = AccumulationState(
         mini_step=jnp.zeros((), jnp.int32),
         acc=optax.tree.zeros_like(acc),

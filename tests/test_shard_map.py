@@ -22,16 +22,10 @@ N_DEV = 8
 TOKENS = 4  # padded microbatch length per device
 EVERY_K = 2
 
-VMA_BUG = (
-  "core: accumulate's boundary branch resets weight_sum/value_sum/value_weight with "
-  "jnp.zeros((), dtype), which is device-invariant, while the between branch returns the "
-  "device-varying running sums; lax.cond under shard_map(check_vma=True) rejects the "
-  "mismatch. Fix: zero_f = jnp.zeros_like(weight_sum) in _accumulate.py."
-)
 # The two recipes: check_vma=True needs params marked device-varying before jax.grad;
 # check_vma=False skips the type check (the replicas are equal by construction).
 RECIPES = [
-  pytest.param(True, id="check_vma", marks=pytest.mark.xfail(strict=True, reason=VMA_BUG)),
+  pytest.param(True, id="check_vma"),
   pytest.param(False, id="no_check_vma"),
 ]
 
@@ -199,7 +193,6 @@ def test_one_all_reduce_per_window(check_vma):
   assert dict(counts["in_conditional"]) == {"all-reduce": 1}, counts
 
 
-@pytest.mark.xfail(strict=True, reason=VMA_BUG)
 def test_trap_grad_of_replicated_params_all_reduces_every_microstep():
   """check_vma=True without pcast: jax.grad psums the gradient on every microstep."""
   tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)

@@ -67,20 +67,12 @@ def test_init_sharded_places_every_param_shaped_leaf_like_its_param(mode, layout
     assert scalar.sharding.is_fully_replicated and scalar.sharding.mesh == mesh
 
 
-JIT_INIT_BUG = (
-  "core: accumulate's init_fn builds the accumulator with jnp.zeros_like, a constant with no "
-  "tie to the params under jit, so XLA puts it on one device (Auto mesh, no context), "
-  "replicates it (jax.set_mesh), or fails (Explicit mesh, no context). Fix: zeros selected "
-  "from the param (_numerics.zeros_like_placed)."
-)
-
-
 @pytest.mark.parametrize(
   "mode",
   [
-    pytest.param("auto", marks=pytest.mark.xfail(strict=True, reason=JIT_INIT_BUG)),
-    pytest.param("auto_set_mesh", marks=pytest.mark.xfail(strict=True, reason=JIT_INIT_BUG)),
-    pytest.param("explicit", marks=pytest.mark.xfail(strict=True, reason=JIT_INIT_BUG)),
+    "auto",
+    "auto_set_mesh",
+    "explicit",
     "explicit_set_mesh",
   ],
 )

@@ -26,7 +26,11 @@ def scaled_value_and_grad(
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss (or
       ``(loss, aux)`` with ``has_aux``). The loss is cast to float32 before it
-      is scaled, so an fp16 loss does not overflow when multiplied.
+      is scaled, so an fp16 loss does not overflow when multiplied. Compute
+      the loss's final reduction in float32 too: if ``loss_fn`` returns an
+      fp16 value, the cotangent flowing back into it is the scale held in
+      fp16, which is inf for any scale >= 2**16 (the first windows are then
+      skipped until the scale has backed off).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
   Returns:

@@ -43,10 +43,14 @@ def memory(fn: Any, *args: Any) -> dict[str, int]:
   ``temp`` is XLA's scratch allocation; ``argument + output - alias + temp`` is
   the step's footprint (donated params and optimizer state are aliased).
   """
+  start = time.perf_counter()
   compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile()
+  seconds = time.perf_counter() - start
   m = compiled.memory_analysis()
   fields = ("argument", "output", "alias", "temp")
-  return {f"{f}_bytes": int(getattr(m, f"{f}_size_in_bytes")) for f in fields}
+  out = {f"{f}_bytes": int(getattr(m, f"{f}_size_in_bytes")) for f in fields}
+  out["compile_seconds"] = seconds
+  return out
 
 
 def tree_bytes(tree: Any) -> int:

@@ -260,7 +260,6 @@ def test_strided_split_keeps_rows_on_their_device():
   # Microbatch k is rows k, k+2, ...
   np.testing.assert_array_equal(np.asarray(y), np.stack([rows[0::2], rows[1::2]]))
   for shard in y.addressable_shards:  # each device holds only rows it held before
-    own = set(np.asarray(x.addressable_shards[0].data).tolist())
     own = {r for s in x.addressable_shards if s.device == shard.device for r in np.asarray(s.data)}
     assert set(np.asarray(shard.data).ravel().tolist()) <= own
 

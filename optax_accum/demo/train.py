@@ -1,0 +1,428 @@
+"""The demo's training loop: a byte-level transformer on Python's sources, token-weighted.
+
+One microbatch is ``microbatch_size`` padded lines; its loss is the mean over
+its real (unmasked) bytes, and it is passed to the optimizer with
+``weight = mask.sum()``. ``every_k`` microbatches make one window, and
+``optax_accum.accumulate(optax.adamw(...), every_k)`` applies one AdamW step per
+window with the gradient of the mean over *all* the window's real bytes, the
+gradient one physical batch of ``every_k * microbatch_size`` lines would give.
+
+Before training, :func:`preflight` checks exactly that on the first window of
+real text with :func:`optax_accum.testing.check_equivalence`, and shows how far
+the mean of the microbatch means would have been.
+
+The step is one ``jax.jit`` function of the split ``(model, optimizer)`` state
+(``nnx.split`` / ``nnx.merge``, state donated): on 2 CPU cores it measured
+about as fast as ``nnx.cached_partial`` and 1.3x to 3x faster per microbatch
+than calling an ``nnx.jit`` function with the module objects (whose graph
+traversal costs several ms per call at this size).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import sys
+import time
+from typing import Any, NamedTuple, TextIO
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+import optax_accum
+from optax_accum.demo.data import encode, stdlib_lines
+from optax_accum.demo.model import CharTransformer, token_loss
+from optax_accum.testing import EquivalenceReport, check_equivalence
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+  """Sizes and hyperparameters of the demo run.
+
+  Attributes:
+    microbatch_size: lines (rows) per microbatch.
+    every_k: microbatches per window (one AdamW step per window).
+    updates: optimizer updates (windows) to train for.
+    seed: seed of the model init and of the data shuffling.
+    seq_len: context length in bytes; longer lines are cut.
+    dim: model width.
+    depth: transformer blocks.
+    heads: attention heads.
+    learning_rate: AdamW peak learning rate (linear warmup, cosine decay to a
+      tenth, over ``updates`` updates: the schedule counts updates, not
+      microbatches).
+    weight_decay: AdamW decoupled weight decay.
+    max_files: standard-library files to read (sorted by name).
+    eval_lines: lines held out (never trained on) to measure the loss on.
+  """
+
+  microbatch_size: int = 16
+  every_k: int = 4
+  updates: int = 500
+  seed: int = 0
+  seq_len: int = 64
+  dim: int = 64
+  depth: int = 2
+  heads: int = 4
+  learning_rate: float = 3e-3
+  weight_decay: float = 0.01
+  max_files: int = 40
+  eval_lines: int = 512
+
+
+QUICK = DemoConfig(
+  microbatch_size=8, updates=120, seq_len=48, dim=32, depth=1, max_files=8, eval_lines=256
+)
+
+
+class TrainResult(NamedTuple):
+  """What :func:`train` measured.
+
+  Attributes:
+    preflight: the :class:`optax_accum.testing.EquivalenceReport` of the first
+      window (``None`` when the pre-flight was not run).
+    losses: float64 ``[num_updates]``, each applied window's token-weighted
+      mean training loss (nats per byte), from ``metrics(...).window_loss``.
+    eval_before: held-out loss of the initial model, nats per byte.
+    eval_after: held-out loss after training, nats per byte.
+    metrics: :func:`optax_accum.metrics` of the final state, as Python numbers.
+    tokens: real (unmasked) target bytes trained on.
+    flushed_windows: incomplete windows closed at an epoch's end or the run's.
+    train_seconds: wall time of the training loop (compilation included).
+    tokens_per_second: ``tokens / train_seconds``.
+  """
+
+  preflight: EquivalenceReport | None
+  losses: np.ndarray
+  eval_before: float
+  eval_after: float
+  metrics: dict[str, Any]
+  tokens: int
+  flushed_windows: int
+  train_seconds: float
+  tokens_per_second: float
+
+
+def split_lines(config: DemoConfig) -> tuple[list[bytes], list[bytes]]:
+  """Shuffles the standard-library lines with ``config.seed``; holds out ``eval_lines``.
+
+  Returns:
+    ``(train_lines, eval_lines)``, lists of ``bytes``.
+
+  Examples:
+    >>> train_lines, eval_lines = split_lines(DemoConfig(max_files=2, eval_lines=10))
+    >>> len(eval_lines), len(train_lines) > 100
+    (10, True)
+  """
+  lines = stdlib_lines(max_files=config.max_files)
+  order = np.random.default_rng(config.seed).permutation(len(lines))
+  lines = [lines[i] for i in order]
+  return lines[config.eval_lines :], lines[: config.eval_lines]
+
+
+def microbatches(lines: list[bytes], seq_len: int, size: int) -> list[Batch]:
+  """Cuts encoded lines into microbatches of ``size`` rows, keeping the remainder.
+
+  The last microbatch is completed with all-padding rows (mask 0): they add no
+  token to the weight, so nothing is dropped and no shape changes.
+
+  Args:
+    lines: byte lines (see :func:`optax_accum.demo.data.encode`).
+    seq_len: context length.
+    size: rows per microbatch.
+
+  Returns:
+    A list of ``{'inputs', 'targets', 'mask'}`` dicts of ``[size, seq_len]``
+    NumPy arrays (int32, int32, float32).
+
+  Examples:
+    >>> mbs = microbatches([b'abc', b'hello', b'xy'], seq_len=4, size=2)
+    >>> [mb['mask'].sum(axis=1).tolist() for mb in mbs]
+    [[2.0, 4.0], [1.0, 0.0]]
+  """
+  data = encode(lines, seq_len)
+  pad = -len(lines) % size
+  data = {k: np.concatenate([v, np.zeros((pad, seq_len), v.dtype)]) for k, v in data.items()}
+  return [{k: v[i : i + size] for k, v in data.items()} for i in range(0, len(data["mask"]), size)]
+
+
+def make_model(config: DemoConfig) -> CharTransformer:
+  """The demo's :class:`~optax_accum.demo.model.CharTransformer`.
+
+  Args:
+    config: ``seq_len``, ``dim``, ``depth``, ``heads`` and ``seed`` (the init).
+
+  Returns:
+    A float32 model, initialized from ``nnx.Rngs(config.seed)``.
+
+  Examples:
+    >>> make_model(DemoConfig(seq_len=8, dim=8, depth=1, heads=2)).pos.shape
+    (8, 8)
+  """
+  return CharTransformer(
+    seq_len=config.seq_len,
+    dim=config.dim,
+    depth=config.depth,
+    heads=config.heads,
+    rngs=nnx.Rngs(config.seed),
+  )
+
+
+def make_inner(config: DemoConfig) -> optax.GradientTransformation:
+  """The inner optimizer: AdamW with a warmup-cosine learning rate.
+
+  Linear warmup over the first 5% of ``config.updates``, cosine decay to a
+  tenth of ``config.learning_rate`` at ``config.updates``. Inside
+  :func:`optax_accum.accumulate` its step count, and so the schedule, advance
+  once per applied window (reference case C4), not once per microbatch.
+
+  Args:
+    config: ``learning_rate``, ``weight_decay`` and ``updates``.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> tx = make_inner(DemoConfig(updates=100))
+    >>> state = tx.init({'w': jnp.zeros(2)})
+  """
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=config.learning_rate,
+    warmup_steps=max(1, config.updates // 20),
+    decay_steps=max(2, config.updates),
+    end_value=config.learning_rate / 10,
+  )
+  return optax.adamw(schedule, weight_decay=config.weight_decay)
+
+
+def preflight(model: CharTransformer, window: list[Batch], config: DemoConfig) -> EquivalenceReport:
+  """Checks one window of real text against the same lines as one physical batch.
+
+  Calls :func:`optax_accum.testing.check_equivalence` with the demo's loss,
+  ``weight_fn = mask.sum()`` and the window's own microbatches (contiguous
+  rows, as in training).
+
+  Args:
+    model: the model at its initial params (not modified).
+    window: ``config.every_k`` microbatches, as from :func:`microbatches`.
+    config: the run's configuration (for the inner optimizer).
+
+  Returns:
+    The :class:`~optax_accum.testing.EquivalenceReport`.
+
+  Examples:
+    >>> cfg = DemoConfig(microbatch_size=2, every_k=2, seq_len=8, dim=8, depth=1, heads=2)
+    >>> mbs = microbatches([b'import os', b'x = 1', b'def f(a, b):', b'pass'], 8, 2)
+    >>> report = preflight(make_model(cfg), mbs, cfg)
+    >>> report.weights, report.sgd_across_step.max_rel < 1e-5
+    ((12.0, 7.0), True)
+  """
+  batch = {k: np.concatenate([mb[k] for mb in window]) for k in window[0]}
+  return check_equivalence(
+    token_loss,
+    model,
+    batch,
+    make_inner(config),
+    num_microbatches=len(window),
+    weight_fn=lambda mb: mb["mask"].sum(),
+    strided=False,
+  )
+
+
+def accumulated_difference(report: EquivalenceReport) -> float:
+  """The largest relative difference of the accumulated window from one physical batch.
+
+  The maximum over the across-step ``sgd(1)`` step (minus the window-mean
+  gradient) and the in-step gradient, each relative to the batch gradient's
+  largest magnitude.
+  """
+  return max(report.sgd_across_step.max_rel, report.grad_in_step.max_rel)
+
+
+def _make_step(graphdef: Any) -> Any:
+  @jax.jit
+  def step(state, batch, flush):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(token_loss)(model, batch)
+    optimizer.update(model, grads, weight=batch["mask"].sum(), value=loss, flush=flush)
+    return nnx.state((model, optimizer)), optax_accum.metrics(optimizer.opt_state)
+
+  return step
+
+
+def _make_eval(graphdef: Any) -> Any:
+  @jax.jit
+  def loss_sum_and_tokens(state, batch):
+    model, _ = nnx.merge(graphdef, state)
+    n = batch["mask"].sum()
+    return token_loss(model, batch) * n, n
+
+  return loss_sum_and_tokens
+
+
+def _evaluate(loss_sum_and_tokens: Any, state: Any, batches: list[Batch]) -> float:
+  sums = [loss_sum_and_tokens(state, b) for b in batches]
+  return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+
+
+def _write(out: TextIO | None, text: str = "") -> None:
+  if out is not None:
+    print(text, file=out, flush=True)
+
+
+def train(
+  config: DemoConfig,
+  *,
+  out: TextIO | None = sys.stdout,
+  progress: bool = True,
+  check: bool = True,
+) -> TrainResult:
+  """Runs the demo: pre-flight check, training with token weights, summary.
+
+  Data: shuffled standard-library lines, ``eval_lines`` held out; each epoch
+  reshuffles the rest. Each microbatch is one call of a jitted step that
+  computes the masked-mean loss's gradient and calls
+  ``optimizer.update(model, grads, weight=mask.sum(), value=loss, flush=last)``
+  on an ``nnx.Optimizer(model, accumulate(adamw, every_k), wrt=nnx.Param)``;
+  ``flush`` is True on an epoch's last microbatch, so windows never straddle
+  epochs, and a window still open when the run stops is closed with
+  :func:`optax_accum.flush`.
+
+  Args:
+    config: sizes and hyperparameters.
+    out: where to print the report (``None``: silent).
+    progress: show a tqdm bar (on stderr) over updates with loss and tokens/s.
+    check: run :func:`preflight` first.
+
+  Returns:
+    A :class:`TrainResult`.
+
+  Examples:
+    >>> cfg = DemoConfig(microbatch_size=4, every_k=2, updates=3, seq_len=8, dim=8, depth=1,
+    ...                  heads=2, max_files=1, eval_lines=8)
+    >>> r = train(cfg, out=None, progress=False, check=False)
+    >>> r.metrics['num_updates'], len(r.losses), r.metrics['num_microbatches']
+    (3, 3, 6)
+  """
+  t_start = time.perf_counter()
+  train_lines, eval_lines = split_lines(config)
+  eval_batches = microbatches(eval_lines, config.seq_len, max(config.microbatch_size, 64))
+  epoch_rng = np.random.default_rng(config.seed + 1)
+
+  model = make_model(config)
+  tx = optax_accum.accumulate(make_inner(config), config.every_k)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
+
+  _write(
+    out,
+    f"optax_accum demo: a byte-level transformer ({num_params:,} params: dim {config.dim}, "
+    f"depth {config.depth}, {config.heads} heads) on {len(train_lines) + len(eval_lines):,} "
+    f"lines of Python's standard library ({config.max_files} files), jax {jax.__version__} "
+    f"on {jax.default_backend()}",
+  )
+  _write(
+    out,
+    f"window: every_k={config.every_k} microbatches x {config.microbatch_size} lines of <= "
+    f"{config.seq_len} bytes, weight = real bytes per microbatch; inner: adamw("
+    f"{config.learning_rate:g}, weight_decay={config.weight_decay:g}), warmup-cosine over "
+    f"{config.updates} updates",
+  )
+
+  # Compile the training and evaluation steps in a second thread while the
+  # pre-flight compiles its own (XLA releases the GIL while compiling).
+  graphdef, state = nnx.split((model, optimizer))
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    compiled = pool.submit(
+      lambda: (
+        _make_step(graphdef).lower(state, epoch[0], np.bool_(False)).compile(),
+        _make_eval(graphdef).lower(state, eval_batches[0]).compile(),
+      )
+    )
+    report = None
+    if check:
+      report = preflight(model, epoch[: config.every_k], config)
+      _write(out, "\nPre-flight: the first window of real text, accumulated vs one physical batch")
+      _write(out, str(report))
+      acc_diff = accumulated_difference(report)
+      mom = report.mean_of_means.max_rel
+      ratio = f" ({mom / acc_diff:,.0f}x larger)" if acc_diff > 0 else ""
+      _write(out, f"pre-flight: accumulated vs physical batch max rel diff = {acc_diff:.2e}")
+      _write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
+    step, loss_sum_and_tokens = compiled.result()
+
+  eval_before = _evaluate(loss_sum_and_tokens, state, eval_batches)
+  _write(out, f"\nTraining: {config.updates} updates; held-out loss before: {eval_before:.4f}")
+
+  t0 = last_postfix = time.perf_counter()
+  bar = tqdm(total=config.updates, unit="update", disable=not progress, file=sys.stderr)
+  window_losses, tokens, flushed, num_updates = [], 0, 0, 0
+  pending = 0  # microbatches in the open window (a host-side mirror of mini_step)
+  while num_updates < config.updates:
+    for i, mb in enumerate(epoch):
+      last = i == len(epoch) - 1
+      state, m = step(state, mb, np.bool_(last))
+      tokens += int(mb["mask"].sum())
+      pending += 1
+      if pending < config.every_k and not last:
+        continue
+      # A window closed (after every_k microbatches, or flushed at the epoch's end).
+      flushed += pending < config.every_k
+      pending = 0
+      window_losses.append(m.window_loss)
+      new_updates = int(m.num_updates)  # waits for this step: one sync per window
+      bar.update(new_updates - num_updates)
+      num_updates = new_updates
+      if time.perf_counter() - last_postfix > 0.5:
+        last_postfix = time.perf_counter()
+        rate = tokens / (last_postfix - t0)
+        bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+      if num_updates >= config.updates:
+        break
+    epoch_rng.shuffle(train_lines)
+    epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
+  train_seconds = time.perf_counter() - t0
+  bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{tokens / train_seconds:,.0f}")
+  bar.close()
+  # The loop stops right after a window closed, so no window is left open here:
+  # an open one would be closed with optax_accum.flush (see optax_accum.flax.flush).
+  model, optimizer = nnx.merge(graphdef, state)
+
+  final = optax_accum.metrics(optimizer.opt_state)
+  final = {k: v.item() for k, v in final._asdict().items()}
+  losses = np.asarray([float(x) for x in window_losses], np.float64)
+  eval_after = _evaluate(loss_sum_and_tokens, state, eval_batches)
+  result = TrainResult(
+    preflight=report,
+    losses=losses,
+    eval_before=eval_before,
+    eval_after=eval_after,
+    metrics=final,
+    tokens=tokens,
+    flushed_windows=flushed,
+    train_seconds=train_seconds,
+    tokens_per_second=tokens / train_seconds,
+  )
+  tail = min(20, len(losses))
+  _write(
+    out,
+    f"training loss: {losses[0]:.4f} (update 1) -> {losses[-tail:].mean():.4f} "
+    f"(mean of the last {tail} updates)",
+  )
+  _write(out, f"held-out loss: {eval_before:.4f} -> {eval_after:.4f} nats/byte")
+  _write(
+    out,
+    f"metrics: num_updates={final['num_updates']} num_skipped={final['num_skipped']} "
+    f"num_microbatches={final['num_microbatches']} flushed_windows={flushed} "
+    f"tokens={tokens:,} ({tokens / train_seconds:,.0f} tokens/s); "
+    f"total {time.perf_counter() - t_start:.1f} s",
+  )
+  return result

@@ -1,0 +1,141 @@
+"""Tests of the demo: its training function against hand-built references, and the CLI."""
+
+import os
+import re
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from optax_accum.__main__ import main
+from optax_accum.demo import train as demo
+from optax_accum.demo.model import token_loss
+
+
+def _real_bytes(lines, seq_len):
+  """Real target bytes of a line: it is cut to seq_len + 1 bytes, and the first has no target."""
+  return [min(len(line), seq_len + 1) - 1 for line in lines]
+
+
+def test_train_equals_physical_batches_with_epoch_end_flush():
+  # 20 training lines in microbatches of 8: [8, 8, 4 + 4 padding rows]. With every_k=2
+  # the windows are [mb0, mb1] and [mb2], the second flushed at the epoch's end.
+  total = len(demo.stdlib_lines(max_files=1))
+  cfg = demo.DemoConfig(
+    microbatch_size=8,
+    every_k=2,
+    updates=2,
+    seq_len=16,
+    dim=8,
+    depth=1,
+    heads=2,
+    max_files=1,
+    eval_lines=total - 20,
+  )
+  lr = 0.5
+  result = demo.train(cfg, out=None, progress=False, check=False, inner=optax.sgd(lr))
+
+  train_lines, _ = demo.split_lines(cfg)
+  assert len(train_lines) == 20
+  mbs = demo.microbatches(train_lines, cfg.seq_len, cfg.microbatch_size)
+  assert [len(mb["mask"]) for mb in mbs] == [8, 8, 8]
+  assert result.metrics["num_updates"] == 2
+  assert result.metrics["num_microbatches"] == 3
+  assert result.metrics["num_skipped"] == 0
+  assert result.flushed_windows == 1
+  assert result.tokens == sum(_real_bytes(train_lines, cfg.seq_len))
+
+  # Reference: plain SGD on the windows as single physical batches, one jax.grad each.
+  graphdef, params, rest = nnx.split(demo.make_model(cfg), nnx.Param, ...)
+  value_and_grad = jax.jit(
+    jax.value_and_grad(lambda p, b: token_loss(nnx.merge(graphdef, p, rest), b))
+  )
+
+  def concat(*batches):
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+  def sgd(p, g):
+    return jax.tree.map(lambda x, y: x - lr * y, p, g)
+
+  loss1, g1 = value_and_grad(params, concat(mbs[0], mbs[1]))
+  params1 = sgd(params, g1)
+  loss2, g2 = value_and_grad(params1, mbs[2])
+  expected = sgd(params1, g2)
+  trained = nnx.state(result.model, nnx.Param)
+  chex.assert_trees_all_close(trained, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(result.losses, [loss1, loss2], rtol=1e-5)
+
+  # The test can tell: the mean of the two microbatch means gives other params.
+  g_mom = jax.tree.map(
+    lambda a, b: (a + b) / 2, value_and_grad(params, mbs[0])[1], value_and_grad(params, mbs[1])[1]
+  )
+  params1_mom = sgd(params, g_mom)
+  wrong = sgd(params1_mom, value_and_grad(params1_mom, mbs[2])[1])
+  gap = max(jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), wrong, expected)))
+  assert gap > 1e-4
+
+
+def test_cli_rejects_bad_options(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["demo", "--updates", "0"])
+  assert e.value.code == 2
+  assert "--updates must be >= 1" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    main([])
+
+
+def _number(pattern, text):
+  match = re.search(pattern, text)
+  assert match, f"{pattern!r} not found in the demo's output:\n{text}"
+  return [float(x.replace(",", "")) for x in match.groups()]
+
+
+@pytest.mark.slow
+def test_quick_demo_runs_and_learns():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # conftest's 8 fake devices are not what a user runs with
+  proc = subprocess.run(
+    [sys.executable, "-m", "optax_accum", "demo", "--quick"],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+  )
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out
+
+  # Pre-flight on the real text: accumulated == one physical batch, mean of means is not.
+  (acc,) = _number(r"accumulated vs physical batch max rel diff = (\S+)", out)
+  (mom,) = _number(r"mean-of-means gradient max rel diff = (\S+)", out)
+  assert acc < 1e-4
+  assert mom > 1e-3 and mom > 100 * acc
+  cfg = demo.QUICK
+  train_lines, _ = demo.split_lines(cfg)
+  window = train_lines[: cfg.every_k * cfg.microbatch_size]
+  per_row = np.array(_real_bytes(window, cfg.seq_len)).reshape(cfg.every_k, -1)
+  weights = ", ".join(str(int(w)) for w in per_row.sum(axis=1))
+  assert f"weights [{weights}]" in out
+  assert len(set(per_row.sum(axis=1))) > 1  # microbatches hold different numbers of tokens
+  assert "updates applied: 1" in out
+
+  # Training: the progress bar, the loss drops, the metrics line.
+  assert "tok_s=" in proc.stderr
+  first, last = _number(r"training loss: (\S+) \(update 1\) -> (\S+)", out)
+  before, after = _number(r"held-out loss: (\S+) -> (\S+) nats/byte", out)
+  assert last < first - 1.0
+  assert after < before - 1.0
+  updates, skipped, microbatches = _number(
+    r"num_updates=(\d+) num_skipped=(\d+) num_microbatches=(\d+)", out
+  )
+  assert (updates, skipped) == (cfg.updates, 0)
+  # Windows never straddle epochs: each epoch of E microbatches ends with a flushed window.
+  epoch = -(-len(train_lines) // cfg.microbatch_size)
+  windows_per_epoch = -(-epoch // cfg.every_k)
+  full_epochs, rest = divmod(cfg.updates, windows_per_epoch)
+  assert microbatches == full_epochs * epoch + rest * cfg.every_k

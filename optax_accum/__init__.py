@@ -25,6 +25,7 @@ from optax_accum._sharding import (
   window_specs,
 )
 from optax_accum._state import Metrics, discard, get_loss_scale, metrics
+from optax_accum._train_step import apply_if_updated
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
   "StaticLossScale",
   "abstract_state",
   "accumulate",
+  "apply_if_updated",
   "check_compatible",
   "count_collectives",
   "discard",

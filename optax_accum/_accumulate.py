@@ -138,6 +138,64 @@ def _check_fingerprint(state: AccumulationState, every_k_fp: int) -> None:
     )
 
 
+def _window_norm(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Global L2 norm of ``g_sum / denom`` and whether every element of it is finite.
+
+  The common case reads ``g_sum`` once: ``sqrt(sum(g_sum**2)) / |denom|``. When
+  that bound is finite and below a quarter of the dtype's maximum, no element
+  of the mean can be Inf or NaN. Otherwise (a non-finite window, or a sum of
+  squares that overflowed) the exact check and norm of the guarded mean run, so
+  the result never differs from ``all_finite`` / ``optax.tree.norm`` of the mean
+  except by rounding of the norm.
+  """
+  leaves = jax.tree.leaves(g_sum)
+  if not leaves:
+    return jnp.zeros((), denom.dtype), jnp.array(True)
+  sq = optax.tree.norm(g_sum, squared=True)
+  dtype = jnp.promote_types(sq.dtype, denom.dtype)
+  limit = min(float(jnp.finfo(x.dtype).max) for x in leaves) / 4
+  nonzero = denom != 0
+  safe = jnp.where(nonzero, denom, jnp.ones_like(denom)).astype(dtype)
+  absd = jnp.abs(safe)
+  bound = jnp.where(nonzero, jnp.sqrt(sq.astype(dtype)) / absd, jnp.zeros((), dtype))
+  fast = jnp.isfinite(bound) & (bound < jnp.asarray(limit, dtype))
+  for x in leaves:  # the divisor must not underflow in a narrow accumulator dtype
+    fast = fast & (safe.astype(x.dtype) != 0)
+
+  def exact(_):
+    # Per leaf, in its dtype: |g_i| / |d| <= max |g| / |d| survives rounding
+    # and max propagates NaN, so the mean is finite iff each ratio is. The norm
+    # is rescaled by max |g| so that its sum of squares cannot overflow.
+    finite = jnp.array(True)
+    bigs = []
+    for x in leaves:
+      big = jnp.max(jnp.abs(x))
+      d = jnp.abs(safe.astype(x.dtype)).astype(big.dtype)
+      finite = finite & (~nonzero | jnp.isfinite(big / d))
+      bigs.append(big.astype(dtype))
+    big = jnp.max(jnp.stack(bigs))
+    ratio = jnp.where(nonzero, big / absd, jnp.zeros((), dtype))
+    inv = jnp.ones((), dtype) / jnp.where(finite & (big > 0), big, jnp.ones((), dtype))
+    scaled = jax.tree.map(lambda x: x * inv.astype(x.dtype), g_sum)
+    norm = ratio * jnp.sqrt(optax.tree.norm(scaled, squared=True).astype(dtype))
+    not_finite = jnp.where(jnp.isnan(sq) | jnp.isnan(big), jnp.nan, jnp.inf).astype(dtype)
+    return jnp.where(finite, norm, not_finite), finite
+
+  return jax.lax.cond(fast, lambda _: (bound, jnp.array(True)), exact, None)
+
+
+def _clip_to_norm(mean: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
+  """``optax.clip_by_global_norm(max_norm)`` given the already computed ``norm``.
+
+  Written as one scalar factor (1 below the threshold, so unclipped windows are
+  bit-identical) so that XLA fuses it into the inner optimizer's passes instead
+  of materializing the clipped mean; clipped values may differ from optax's
+  ``(t / norm) * max_norm`` in the last bit.
+  """
+  factor = jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
+  return jax.tree.map(lambda t: t * factor.astype(t.dtype), mean)
+
+
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: int | Callable[[jax.Array], Any],
@@ -257,21 +315,26 @@ def accumulate(
       ),
       params,
     )
-    zero_i = jnp.zeros((), jnp.int32)
+
+    # A fresh buffer per field: donating a state whose leaves share a buffer
+    # fails ("Attempt to donate the same buffer twice").
+    def zero_i():
+      return jnp.zeros((), jnp.int32)
+
     return AccumulationState(
-      mini_step=zero_i,
+      mini_step=zero_i(),
       acc=acc,
       weight_sum=jnp.zeros((), fdt),
       value_sum=jnp.zeros((), fdt),
       value_weight=jnp.zeros((), fdt),
-      num_microbatches=zero_i,
-      num_updates=zero_i,
-      num_skipped=zero_i,
+      num_microbatches=zero_i(),
+      num_updates=zero_i(),
+      num_skipped=zero_i(),
       updated=jnp.zeros((), jnp.bool_),
       window_loss=jnp.full((), jnp.nan, fdt),
       grad_norm=jnp.full((), jnp.nan, fdt),
       loss_scale=jnp.asarray(initial_scale, jnp.float32),
-      growth_streak=zero_i,
+      growth_streak=zero_i(),
       every_k=jnp.asarray(every_k_fp, jnp.int32),
       inner_state=inner.init(params),
     )
@@ -307,9 +370,16 @@ def accumulate(
     boundary = (mini_step >= window_length(state.num_updates)) | flush
 
     out_like = grads if params is None else params
-    zero_updates = optax.tree.zeros_like(out_like)
 
-    def between(_):
+    # Control flow, chosen by reading the compiled HLO (docs/performance.md):
+    # `acc` is summed outside the cond (one fused, in-place pass over the
+    # donated buffer); `between` passes it and the inner state through
+    # untouched, so XLA keeps them in their buffers and writes only the zero
+    # updates; `close` reads the sums, runs the inner optimizer once, and only
+    # then writes zeros into the accumulator (`ordered_zeros`), so it reuses the
+    # same buffer instead of copying it.
+    def between(operands):
+      acc, inner_state = operands
       new_state = state._replace(
         mini_step=mini_step,
         acc=acc,
@@ -318,38 +388,43 @@ def accumulate(
         value_weight=value_weight,
         num_microbatches=num_microbatches,
         updated=jnp.zeros((), jnp.bool_),
+        inner_state=inner_state,
       )
-      return zero_updates, new_state
+      return _numerics.ordered_zeros(out_like, boundary), new_state
 
-    def close(_):
+    def close(operands):
+      acc, inner_state = operands
       sums = (acc, weight_sum, value_sum, value_weight)
       if axis_name is not None:
         sums = jax.lax.psum(sums, axis_name)
       g_sum, w_sum, v_sum, v_weight = sums
-      scale = state.loss_scale
-      mean = _numerics.guarded_divide(g_sum, w_sum * scale.astype(w_sum.dtype))
-      finite = _numerics.all_finite(mean)
-      norm = optax.tree.norm(mean).astype(state.grad_norm.dtype)
+      denom = w_sum * state.loss_scale.astype(w_sum.dtype)
+      norm, finite = _window_norm(g_sum, denom)
       empty = w_sum == 0
       apply = ~empty & (finite | (not skip_nonfinite))
       skipped = ~empty & ~finite & skip_nonfinite
-      if clip_norm is not None:
-        mean, _ = optax.clip_by_global_norm(clip_norm).update(mean, optax.EmptyState())
-      mean = optax.tree.cast_like(mean, grads)
       window_value = _numerics.guarded_divide(v_sum, v_weight)
       window_value = jnp.where(v_weight > 0, window_value, jnp.nan)
       inner_args = dict(extra_args)
       if value is not None:
         inner_args["value"] = window_value
 
-      def run_inner(_):
-        updates, inner_state = inner.update(mean, state.inner_state, params, **inner_args)
-        return optax.tree.cast_like(updates, zero_updates), inner_state
+      def run_inner(ops):
+        g_sum, inner_state = ops
+        # Divided here, inside the branch, so XLA fuses the division into the
+        # inner optimizer's first pass instead of materializing the mean.
+        mean = _numerics.guarded_divide(g_sum, denom)
+        if clip_norm is not None:
+          mean = _clip_to_norm(mean, norm, clip_norm)
+        mean = optax.tree.cast_like(mean, grads)
+        updates, inner_state = inner.update(mean, inner_state, params, **inner_args)
+        return optax.tree.cast_like(updates, out_like), inner_state
 
-      def keep_inner(_):
-        return zero_updates, state.inner_state
+      def keep_inner(ops):
+        _, inner_state = ops
+        return _numerics.ordered_zeros(out_like, apply), inner_state
 
-      updates, inner_state = jax.lax.cond(apply, run_inner, keep_inner, None)
+      updates, inner_state = jax.lax.cond(apply, run_inner, keep_inner, (g_sum, inner_state))
       new_scale, new_streak = state.loss_scale, state.growth_streak
       if loss_scale is not None:
         adj_scale, adj_streak = loss_scale.adjust(state.loss_scale, state.growth_streak, finite)
@@ -360,7 +435,8 @@ def accumulate(
       zero_f = jnp.zeros_like(weight_sum)
       new_state = AccumulationState(
         mini_step=jnp.zeros((), jnp.int32),
-        acc=optax.tree.zeros_like(acc),
+        # Zeros written after the inner update has read the sums: same buffer.
+        acc=_numerics.ordered_zeros(acc, _numerics.read_token(updates)),
         weight_sum=zero_f,
         value_sum=zero_f,
         value_weight=zero_f,
@@ -369,7 +445,7 @@ def accumulate(
         num_skipped=_numerics.saturating_increment(state.num_skipped, skipped),
         updated=apply,
         window_loss=jnp.where(v_weight > 0, window_value, state.window_loss),
-        grad_norm=jnp.where(empty, state.grad_norm, norm),
+        grad_norm=jnp.where(empty, state.grad_norm, norm.astype(state.grad_norm.dtype)),
         loss_scale=new_scale,
         growth_streak=new_streak,
         every_k=state.every_k,
@@ -377,7 +453,7 @@ def accumulate(
       )
       return updates, new_state
 
-    return jax.lax.cond(boundary, close, between, None)
+    return jax.lax.cond(boundary, close, between, (acc, state.inner_state))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -174,3 +174,50 @@ def zeros_like_placed(x: jax.Array, dtype: Any) -> jax.Array:
   ``x`` cannot leak (selected, not multiplied).
   """
   return jnp.where(jnp.zeros(jnp.shape(x), jnp.bool_), x.astype(dtype), jnp.zeros((), dtype))
+
+
+def ordered_zeros(like: PyTree, after: Any) -> PyTree:
+  """Exact zeros shaped like ``like`` that XLA computes only once ``after`` exists.
+
+  A buffer-reuse helper for branches of ``lax.cond``: zeros written with a plain
+  ``jnp.zeros_like`` depend on nothing, so XLA may not schedule them after the
+  last read of the buffer they overwrite and inserts a full copy instead; and
+  equal broadcasts of the same shape are merged into one, which costs a copy per
+  extra leaf. Here each leaf is ``broadcast(min(b + i + 1, i + 1) - (i + 1))``
+  with ``b = after.astype(int32)`` in ``{0, 1}``: exactly zero for any ``after``,
+  distinct per leaf, and data-dependent on ``after``.
+
+  Args:
+    like: a tree of arrays (or shape-dtype structs) to match.
+    after: a boolean scalar array; the zeros are ordered after it is computed.
+
+  Returns:
+    A tree like ``like`` of exact zeros in each leaf's dtype.
+  """
+  b = jnp.asarray(after).astype(jnp.int32)
+  leaves, treedef = jax.tree.flatten(like)
+  out = []
+  for i, x in enumerate(leaves):
+    k = jnp.int32(i + 1)
+    zero = jnp.minimum(b + k, k) - k
+    out.append(jnp.full_like(x, zero.astype(x.dtype)))  # keeps x's sharding
+  return jax.tree.unflatten(treedef, out)
+
+
+def read_token(tree: PyTree) -> jax.Array:
+  """A boolean scalar that depends on ``tree``'s values (reads one element).
+
+  Pass it as ``after`` to :func:`ordered_zeros` so that the zeros are written
+  only after whatever produced ``tree`` (and everything it read) has run. It
+  reads the first element of the smallest non-empty leaf, or, where that slice
+  is not allowed (a dimension sharded in ``jax.sharding.AxisType.Explicit``
+  mode), reduces that leaf.
+  """
+  leaves = sorted((x for x in jax.tree.leaves(tree) if np.size(x)), key=np.size)
+  if not leaves:
+    return jnp.zeros((), jnp.bool_)
+  x = leaves[0]
+  try:
+    return x[(0,) * np.ndim(x)] == 0
+  except Exception:  # noqa: BLE001 - e.g. ShardingTypeError; the reduction always works
+    return jnp.any(x == 0)

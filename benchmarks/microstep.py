@@ -1,0 +1,283 @@
+"""What one microstep costs: accumulate vs optax.MultiSteps vs a plain step vs the floor.
+
+Every variant is a jitted ``tx.update`` + apply step with params and optimizer
+state donated, run on the same params in one process. Variants:
+
+* ``floor``: ``acc += g`` alone (acc donated): the least any across-step
+  accumulation can cost per microstep.
+* ``plain``: the inner optimizer alone, ``tx.update`` + ``optax.apply_updates``.
+* ``multisteps``: ``optax.MultiSteps(inner, every_k)`` + ``optax.apply_updates``.
+* ``accumulate``: ``optax_accum.accumulate(inner, every_k)`` + ``optax.apply_updates``.
+* ``accumulate_gated``: the recommended train step,
+  ``accumulate`` + ``optax_accum.apply_if_updated``.
+
+Rounds are interleaved (one whole window of ``every_k`` calls per variant per
+round, variant order rotated) so that load from other processes spreads over
+all variants. Reported per variant: median time of non-boundary microsteps,
+of boundary steps, the window average ``((k-1) * non_boundary + boundary) / k``,
+their 25th/75th percentiles (the noise), the compiled memory
+(``memory_analysis()``) and the number of parameter-sized ``copy`` instructions
+in the optimized HLO.
+
+  python benchmarks/microstep.py --out microstep.json
+  python benchmarks/microstep.py --quick          # CI smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_accum
+
+# Trees kept alive per variant (params, optimizer state, temporaries), plus the gradient.
+_TREES_ALIVE = 20
+
+
+def make_params(n: int, leaves: int = 8) -> dict[str, jax.Array]:
+  """``n`` float32 params in ``leaves`` equal matrices (typical equal-shape layers)."""
+  rows = max(1, n // (leaves * 1024))
+  return {f"w{i}": jnp.full((rows, 1024), 0.01 * (i + 1), jnp.float32) for i in range(leaves)}
+
+
+def fresh(tree: Any) -> Any:
+  """A copy of ``tree`` in new buffers (so that donation never hits a shared one)."""
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x)), tree)
+
+
+def make_inner(name: str) -> optax.GradientTransformation:
+  if name == "adam":
+    return optax.adam(1e-3)
+  if name == "adamw":
+    return optax.adamw(1e-3, weight_decay=1e-2)
+  raise ValueError(f"unknown inner optimizer {name!r}")
+
+
+def tx_step(tx: optax.GradientTransformation, gated: bool) -> Callable:
+  """A jitted, donated ``(params, state, grads) -> (params, state)`` step."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    if gated:
+      params = optax_accum.apply_if_updated(params, updates, state)
+    else:
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  return step
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _floor_add(acc, grads):
+  return jax.tree.map(jnp.add, acc, grads)
+
+
+def floor_step(params, acc, grads):
+  """``acc += g`` (acc donated): the floor of across-step accumulation."""
+  return params, _floor_add(acc, grads)
+
+
+def compiled_info(step: Callable, *args: Any, leaf_shape: tuple[int, ...]) -> dict[str, Any]:
+  """Memory analysis and parameter-sized copies of the compiled step."""
+  compiled = step.lower(*args).compile()
+  mem = compiled.memory_analysis()
+  shape = "f32[" + ",".join(str(d) for d in leaf_shape) + "]"
+  copies = [
+    line
+    for line in compiled.as_text().splitlines()
+    if re.search(r"= " + re.escape(shape) + r"\{[^}]*\} copy\(", line)
+  ]
+  return {
+    "argument_bytes": int(mem.argument_size_in_bytes),
+    "output_bytes": int(mem.output_size_in_bytes),
+    "alias_bytes": int(mem.alias_size_in_bytes),
+    "temp_bytes": int(mem.temp_size_in_bytes),
+    "param_sized_copies": len(copies),
+  }
+
+
+def tree_bytes(tree: Any) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def summarize(samples: list[tuple[int, float]], k: int) -> dict[str, float]:
+  non = np.array([t for i, t in samples if i != k - 1]) * 1e3
+  bnd = np.array([t for i, t in samples if i == k - 1]) * 1e3
+  out = {
+    "all_ms": float(np.median(np.array([t for _, t in samples]) * 1e3)),
+    "non_boundary_ms": float(np.median(non)) if non.size else float("nan"),
+    "non_boundary_p25_ms": float(np.percentile(non, 25)) if non.size else float("nan"),
+    "non_boundary_p75_ms": float(np.percentile(non, 75)) if non.size else float("nan"),
+    "boundary_ms": float(np.median(bnd)),
+    "boundary_p25_ms": float(np.percentile(bnd, 25)),
+    "boundary_p75_ms": float(np.percentile(bnd, 75)),
+  }
+  non_ms = out["non_boundary_ms"] if non.size else out["boundary_ms"]
+  out["window_avg_ms"] = ((k - 1) * non_ms + out["boundary_ms"]) / k
+  return out
+
+
+def run_config(n: int, inner_name: str, k: int, rounds: int) -> dict[str, Any]:
+  """All variants for one (size, inner, every_k), interleaved."""
+  inner = make_inner(inner_name)
+  params = make_params(n)
+  leaf_shape = next(iter(params.values())).shape
+  grads = fresh(jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params))
+  txs = {
+    "plain": (inner, False),
+    "multisteps": (optax.MultiSteps(inner, every_k_schedule=k), False),
+    "accumulate": (optax_accum.accumulate(inner, every_k=k), False),
+    "accumulate_gated": (optax_accum.accumulate(inner, every_k=k), True),
+  }
+  runs: dict[str, list[Any]] = {}
+  info: dict[str, dict[str, Any]] = {}
+  acc = fresh(jax.tree.map(jnp.zeros_like, params))
+  runs["floor"] = [floor_step, fresh(params), acc]
+  info["floor"] = compiled_info(_floor_add, acc, grads, leaf_shape=leaf_shape)
+  info["floor"]["state_bytes"] = tree_bytes(acc)
+  for name, (tx, gated) in txs.items():
+    p = fresh(params)
+    s = fresh(tx.init(p))
+    step = tx_step(tx, gated)
+    info[name] = compiled_info(step, p, s, grads, leaf_shape=leaf_shape)
+    info[name]["state_bytes"] = tree_bytes(s)
+    runs[name] = [step, p, s]
+  # Warm-up: compile and run one whole window each.
+  for run in runs.values():
+    for _ in range(k):
+      run[1], run[2] = run[0](run[1], run[2], grads)
+    jax.block_until_ready(run[1:])
+  samples: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
+  names = list(runs)
+  for r in range(rounds):
+    order = names[r % len(names) :] + names[: r % len(names)]
+    for name in order:
+      run = runs[name]
+      for i in range(k):
+        t0 = time.perf_counter()
+        run[1], run[2] = run[0](run[1], run[2], grads)
+        jax.block_until_ready(run[1:])
+        samples[name].append((i, time.perf_counter() - t0))
+  variants = {name: {**summarize(samples[name], k), **info[name]} for name in runs}
+  del runs
+  inner_state_bytes = tree_bytes(jax.eval_shape(inner.init, params))
+  param_bytes = tree_bytes(params)
+  v = variants
+  ratios = {
+    "non_boundary_gated_over_floor": v["accumulate_gated"]["non_boundary_ms"]
+    / v["floor"]["all_ms"],
+    "boundary_gated_over_plain_plus_floor": v["accumulate_gated"]["boundary_ms"]
+    / (v["plain"]["all_ms"] + v["floor"]["all_ms"]),
+    "window_avg_gated_over_multisteps": v["accumulate_gated"]["window_avg_ms"]
+    / v["multisteps"]["window_avg_ms"],
+    "window_avg_ungated_over_multisteps": v["accumulate"]["window_avg_ms"]
+    / v["multisteps"]["window_avg_ms"],
+    "state_extra_bytes_over_inner_plus_acc": v["accumulate_gated"]["state_bytes"]
+    - inner_state_bytes
+    - param_bytes,
+    "temp_gated_minus_plain_in_grad_buffers": (
+      v["accumulate_gated"]["temp_bytes"] - v["plain"]["temp_bytes"]
+    )
+    / param_bytes,
+  }
+  return {
+    "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+    "inner": inner_name,
+    "every_k": k,
+    "rounds": rounds,
+    "param_bytes": param_bytes,
+    "inner_state_bytes": inner_state_bytes,
+    "variants": variants,
+    "ratios": ratios,
+  }
+
+
+def available_bytes() -> float:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return float(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return float("inf")
+
+
+def machine() -> dict[str, Any]:
+  return {
+    "platform": platform.platform(),
+    "processor": platform.processor() or platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "python": sys.version.split()[0],
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "devices": [str(d) for d in jax.devices()],
+    "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+  }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 16e6, 100e6])
+  parser.add_argument("--inner", nargs="+", default=["adam", "adamw"])
+  parser.add_argument("--every-k", type=int, nargs="+", default=[4, 16])
+  parser.add_argument("--rounds", type=int, default=10, help="interleaved windows per variant")
+  parser.add_argument("--max-gib", type=float, default=8.0, help="skip sizes above this")
+  parser.add_argument("--out", default=None, help="write the JSON here (else stdout)")
+  parser.add_argument("--quick", action="store_true", help="262k params, adam, every_k=4, 2 rounds")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.sizes, args.inner, args.every_k, args.rounds = [2**18], ["adam"], [4], 2
+  results, skipped = [], []
+  for size in args.sizes:
+    n = int(size)
+    need = _TREES_ALIVE * 4 * n
+    if need > min(args.max_gib * 2**30, 0.6 * available_bytes()):
+      skipped.append({"num_params": n, "reason": f"needs ~{need / 2**30:.1f} GiB"})
+      continue
+    for inner_name in args.inner:
+      for k in args.every_k:
+        rounds = max(args.rounds, 1)
+        res = run_config(n, inner_name, k, rounds)
+        results.append(res)
+        g = res["variants"]
+        print(
+          f"n={n:>11,} {inner_name:5s} k={k:<2d}  floor {g['floor']['all_ms']:7.1f}  "
+          f"plain {g['plain']['all_ms']:7.1f}  multisteps {g['multisteps']['window_avg_ms']:7.1f}"
+          f"  gated non-bnd {g['accumulate_gated']['non_boundary_ms']:7.1f} "
+          f"bnd {g['accumulate_gated']['boundary_ms']:7.1f} ms",
+          file=sys.stderr,
+          flush=True,
+        )
+  report = {
+    "benchmark": "microstep",
+    "machine": machine(),
+    "args": vars(args),
+    "results": results,
+    "skipped": skipped,
+  }
+  text = json.dumps(report, indent=1)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
+  else:
+    print(text)
+  return report
+
+
+if __name__ == "__main__":
+  main()

@@ -23,6 +23,7 @@ def _real_bytes(lines, seq_len):
   return [min(len(line), seq_len + 1) - 1 for line in lines]
 
 
+@pytest.mark.slow  # about 20 s: compiles the demo's step
 def test_train_equals_physical_batches_with_epoch_end_flush():
   # 20 training lines in microbatches of 8: [8, 8, 4 + 4 padding rows]. With every_k=2
   # the windows are [mb0, mb1] and [mb2], the second flushed at the epoch's end.

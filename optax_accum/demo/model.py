@@ -20,8 +20,10 @@ class Block(nnx.Module):
 
   def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
     self.norm1 = nnx.LayerNorm(dim, rngs=rngs, dtype=dtype)
+    # No attention biases: the key bias has an exactly-zero gradient (softmax ignores a
+    # shift shared by all keys), and Adam turns its rounding noise into full-size steps.
     self.attn = nnx.MultiHeadAttention(
-      num_heads=heads, in_features=dim, decode=False, rngs=rngs, dtype=dtype
+      num_heads=heads, in_features=dim, decode=False, use_bias=False, rngs=rngs, dtype=dtype
     )
     self.norm2 = nnx.LayerNorm(dim, rngs=rngs, dtype=dtype)
     self.up = nnx.Linear(dim, 4 * dim, rngs=rngs, dtype=dtype)

@@ -8,8 +8,10 @@ state donated, run on the same params in one process. Variants:
 * ``plain``: the inner optimizer alone, ``tx.update`` + ``optax.apply_updates``.
 * ``multisteps``: ``optax.MultiSteps(inner, every_k)`` + ``optax.apply_updates``.
 * ``accumulate``: ``optax_accum.accumulate(inner, every_k)`` + ``optax.apply_updates``.
-* ``accumulate_gated``: the recommended train step,
-  ``accumulate`` + ``optax_accum.apply_if_updated``.
+* ``accumulate_gated``: ``accumulate`` + ``optax_accum.apply_if_updated``
+  (works with any chain that ends in ``accumulate``).
+* ``accumulate_fused``: the recommended train step,
+  ``optax_accum.update_and_apply(accumulate(...), ...)``: no update buffer.
 
 Rounds are interleaved (one whole window of ``every_k`` calls per variant per
 round, variant order rotated) so that load from other processes spreads over
@@ -66,13 +68,19 @@ def make_inner(name: str) -> optax.GradientTransformation:
   raise ValueError(f"unknown inner optimizer {name!r}")
 
 
-def tx_step(tx: optax.GradientTransformation, gated: bool) -> Callable:
-  """A jitted, donated ``(params, state, grads) -> (params, state)`` step."""
+def tx_step(tx: optax.GradientTransformation, apply: str) -> Callable:
+  """A jitted, donated ``(params, state, grads) -> (params, state)`` step.
+
+  ``apply``: ``"plain"`` (``optax.apply_updates``), ``"gated"``
+  (``apply_if_updated``) or ``"fused"`` (``update_and_apply``).
+  """
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, state, grads):
+    if apply == "fused":
+      return optax_accum.update_and_apply(tx, grads, state, params)
     updates, state = tx.update(grads, state, params)
-    if gated:
+    if apply == "gated":
       params = optax_accum.apply_if_updated(params, updates, state)
     else:
       params = optax.apply_updates(params, updates)
@@ -138,10 +146,11 @@ def run_config(n: int, inner_name: str, k: int, rounds: int) -> dict[str, Any]:
   leaf_shape = next(iter(params.values())).shape
   grads = fresh(jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params))
   txs = {
-    "plain": (inner, False),
-    "multisteps": (optax.MultiSteps(inner, every_k_schedule=k), False),
-    "accumulate": (optax_accum.accumulate(inner, every_k=k), False),
-    "accumulate_gated": (optax_accum.accumulate(inner, every_k=k), True),
+    "plain": (inner, "plain"),
+    "multisteps": (optax.MultiSteps(inner, every_k_schedule=k), "plain"),
+    "accumulate": (optax_accum.accumulate(inner, every_k=k), "plain"),
+    "accumulate_gated": (optax_accum.accumulate(inner, every_k=k), "gated"),
+    "accumulate_fused": (optax_accum.accumulate(inner, every_k=k), "fused"),
   }
   runs: dict[str, list[Any]] = {}
   info: dict[str, dict[str, Any]] = {}
@@ -149,10 +158,10 @@ def run_config(n: int, inner_name: str, k: int, rounds: int) -> dict[str, Any]:
   runs["floor"] = [floor_step, fresh(params), acc]
   info["floor"] = compiled_info(_floor_add, acc, grads, leaf_shape=leaf_shape)
   info["floor"]["state_bytes"] = tree_bytes(acc)
-  for name, (tx, gated) in txs.items():
+  for name, (tx, apply) in txs.items():
     p = fresh(params)
     s = fresh(tx.init(p))
-    step = tx_step(tx, gated)
+    step = tx_step(tx, apply)
     info[name] = compiled_info(step, p, s, grads, leaf_shape=leaf_shape)
     info[name]["state_bytes"] = tree_bytes(s)
     runs[name] = [step, p, s]
@@ -178,6 +187,16 @@ def run_config(n: int, inner_name: str, k: int, rounds: int) -> dict[str, Any]:
   param_bytes = tree_bytes(params)
   v = variants
   ratios = {
+    "non_boundary_fused_over_floor": v["accumulate_fused"]["non_boundary_ms"]
+    / v["floor"]["all_ms"],
+    "boundary_fused_over_plain_plus_floor": v["accumulate_fused"]["boundary_ms"]
+    / (v["plain"]["all_ms"] + v["floor"]["all_ms"]),
+    "window_avg_fused_over_multisteps": v["accumulate_fused"]["window_avg_ms"]
+    / v["multisteps"]["window_avg_ms"],
+    "temp_fused_minus_plain_in_grad_buffers": (
+      v["accumulate_fused"]["temp_bytes"] - v["plain"]["temp_bytes"]
+    )
+    / param_bytes,
     "non_boundary_gated_over_floor": v["accumulate_gated"]["non_boundary_ms"]
     / v["floor"]["all_ms"],
     "boundary_gated_over_plain_plus_floor": v["accumulate_gated"]["boundary_ms"]
@@ -259,7 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"n={n:>11,} {inner_name:5s} k={k:<2d}  floor {g['floor']['all_ms']:7.1f}  "
           f"plain {g['plain']['all_ms']:7.1f}  multisteps {g['multisteps']['window_avg_ms']:7.1f}"
           f"  gated non-bnd {g['accumulate_gated']['non_boundary_ms']:7.1f} "
-          f"bnd {g['accumulate_gated']['boundary_ms']:7.1f} ms",
+          f"bnd {g['accumulate_gated']['boundary_ms']:7.1f}"
+          f"  fused non-bnd {g['accumulate_fused']['non_boundary_ms']:7.1f} "
+          f"bnd {g['accumulate_fused']['boundary_ms']:7.1f} ms",
           file=sys.stderr,
           flush=True,
         )

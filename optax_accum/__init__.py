@@ -25,7 +25,7 @@ from optax_accum._sharding import (
   window_specs,
 )
 from optax_accum._state import Metrics, discard, get_loss_scale, metrics
-from optax_accum._train_step import apply_if_updated
+from optax_accum._train_step import apply_if_updated, update_and_apply
 
 __version__ = "0.1.0"
 
@@ -53,5 +53,6 @@ __all__ = [
   "stacked_state",
   "state_shardings",
   "static_loss_scale",
+  "update_and_apply",
   "window_specs",
 ]

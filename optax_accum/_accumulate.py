@@ -25,6 +25,9 @@ PyTree = Any
 
 # Extra arg set only by `flush`: this call closes the window but carries no microbatch.
 _NO_MICROBATCH = "_optax_accum_no_microbatch"
+# Extra arg set only by `optax_accum.update_and_apply`: return the new params
+# (params + updates) instead of the updates, so that no update buffer is written.
+_APPLY_TO_PARAMS = "_optax_accum_apply_to_params"
 
 
 class AccumulationState(NamedTuple):
@@ -348,6 +351,9 @@ def accumulate(
     _check_fingerprint(state, every_k_fp)
     _check_trees(grads, state.acc, params, accumulator_dtype)
     no_microbatch = bool(extra_args.pop(_NO_MICROBATCH, False))
+    apply_to_params = bool(extra_args.pop(_APPLY_TO_PARAMS, False))
+    if apply_to_params and params is None:
+      raise ValueError("update_and_apply needs the params.")
     value = extra_args.pop("value", None)
     w = _numerics.check_weight(weight)
     flush = jnp.asarray(flush)
@@ -390,6 +396,8 @@ def accumulate(
         updated=jnp.zeros((), jnp.bool_),
         inner_state=inner_state,
       )
+      if apply_to_params:  # passed through: stays in its (donated) buffer
+        return params, new_state
       return _numerics.ordered_zeros(out_like, boundary), new_state
 
     def close(operands):
@@ -418,10 +426,15 @@ def accumulate(
           mean = _clip_to_norm(mean, norm, clip_norm)
         mean = optax.tree.cast_like(mean, grads)
         updates, inner_state = inner.update(mean, inner_state, params, **inner_args)
-        return optax.tree.cast_like(updates, out_like), inner_state
+        updates = optax.tree.cast_like(updates, out_like)
+        if apply_to_params:  # fused into the inner optimizer's last pass
+          return optax.apply_updates(params, updates), inner_state
+        return updates, inner_state
 
       def keep_inner(ops):
         _, inner_state = ops
+        if apply_to_params:
+          return params, inner_state
         return _numerics.ordered_zeros(out_like, apply), inner_state
 
       updates, inner_state = jax.lax.cond(apply, run_inner, keep_inner, (g_sum, inner_state))
@@ -436,7 +449,8 @@ def accumulate(
       new_state = AccumulationState(
         mini_step=jnp.zeros((), jnp.int32),
         # Zeros written after the inner update has read the sums: same buffer.
-        acc=_numerics.ordered_zeros(acc, _numerics.read_token(updates)),
+        # (The token reads one element of the smallest output, e.g. Adam's count.)
+        acc=_numerics.ordered_zeros(acc, _numerics.read_token((inner_state, updates))),
         weight_sum=zero_f,
         value_sum=zero_f,
         value_weight=zero_f,

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import optax
 
+from optax_accum._accumulate import _APPLY_TO_PARAMS, AccumulationState
 from optax_accum._state import metrics
 
 PyTree = Any
@@ -85,3 +86,63 @@ def apply_if_updated(params: PyTree, updates: PyTree, opt_state: PyTree) -> PyTr
     params,
     updates,
   )
+
+
+def update_and_apply(
+  tx: optax.GradientTransformation,
+  grads: PyTree,
+  opt_state: PyTree,
+  params: PyTree,
+  **extra_args: Any,
+) -> tuple[PyTree, PyTree]:
+  """``tx.update`` and ``optax.apply_updates`` in one, with no update buffer at all.
+
+  When ``tx`` is an :func:`optax_accum.accumulate` transformation (its state an
+  :class:`optax_accum.AccumulationState`), the params are passed through its
+  ``lax.cond``: between boundaries they stay untouched in their (donated)
+  buffer, and at a boundary the inner optimizer's last pass writes
+  ``params + updates`` directly, without an intermediate updates tree. A
+  microstep then costs what ``acc += weight * grads`` costs. For any other
+  ``tx`` (an ``optax.chain`` containing ``accumulate``, say) it falls back to
+  ``tx.update`` followed by :func:`apply_if_updated`.
+
+  .. code-block:: python
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      params, opt_state = optax_accum.update_and_apply(
+        tx, grads, opt_state, params, weight=batch_weight)
+      return params, opt_state, loss
+
+  Args:
+    tx: the transformation (``accumulate(...)`` for the fused path).
+    grads: gradient of the microbatch's mean loss, a tree like ``params``.
+    opt_state: the state of ``tx``.
+    params: the current params (required: they are what is updated).
+    **extra_args: forwarded to ``tx.update`` (``weight``, ``flush``, ``value``,
+      and extra args of the inner optimizer).
+
+  Returns:
+    ``(new_params, new_opt_state)``: the same values as
+    ``u, s = tx.update(grads, opt_state, params, **extra_args)`` followed by
+    ``optax.apply_updates(params, u)`` (with :func:`apply_if_updated`'s
+    condition that updates are zero between boundaries).
+
+  Raises:
+    ValueError: as ``tx.update`` and :func:`apply_if_updated` do.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for g, w in ((jnp.array([1., 3.]), 1), (jnp.array([4., 0.]), 3)):
+    ...   params, state = optax_accum.update_and_apply(tx, {'w': g}, state, params, weight=w)
+    >>> params['w']  # 1 - (1 * [1, 3] + 3 * [4, 0]) / 4
+    Array([-2.25, 0.25], dtype=float32)
+  """
+  if isinstance(opt_state, AccumulationState):
+    return tx.update(grads, opt_state, params, **{_APPLY_TO_PARAMS: True}, **extra_args)
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  return apply_if_updated(params, updates, opt_state), opt_state

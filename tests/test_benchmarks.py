@@ -36,6 +36,7 @@ def test_quick_benchmarks(tmp_path):
     "multisteps",
     "accumulate",
     "accumulate_gated",
+    "accumulate_fused",
   }
   for v in res["variants"].values():
     for key in ("non_boundary_ms", "boundary_ms", "window_avg_ms", "all_ms", "temp_bytes"):
@@ -45,12 +46,16 @@ def test_quick_benchmarks(tmp_path):
     "non_boundary_gated_over_floor",
     "boundary_gated_over_plain_plus_floor",
     "window_avg_gated_over_multisteps",
+    "non_boundary_fused_over_floor",
+    "boundary_fused_over_plain_plus_floor",
+    "window_avg_fused_over_multisteps",
   }
   # Structural facts that do not depend on timing noise: the accumulate state is the
   # inner state + one accumulator + scalars (< 100 bytes), and the gated step compiles
   # without parameter-sized copies.
   assert 0 <= res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 100
   assert res["variants"]["accumulate_gated"]["param_sized_copies"] == 0
+  assert res["variants"]["accumulate_fused"]["param_sized_copies"] == 0
 
   train = json.loads(train_out.read_text())
   assert train["benchmark"] == "train_step"

@@ -94,6 +94,41 @@ def test_matches_apply_updates_through_chain_and_flush():
   chex.assert_trees_all_close(params_a, params_b, rtol=1e-6)
 
 
+def test_update_and_apply_equals_update_then_apply():
+  """The fused path (params through accumulate's cond) against tx.update + apply_updates."""
+  inner = optax.adamw(1e-2, weight_decay=1e-2)
+  tx = optax_accum.accumulate(inner, every_k=3, clip_norm=0.5)
+  params_a = _fresh(_params())
+  state_a = tx.init(params_a)
+  params_b, state_b = _params(), tx.init(_params())
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def fused(params, state, x, y, weight):
+    grads = jax.grad(_loss)(params, x, y)
+    return optax_accum.update_and_apply(tx, grads, state, params, weight=weight)
+
+  for _ in range(2):
+    for a, b in _SPLITS:
+      params_a, state_a = fused(params_a, state_a, _X[a:b], _Y[a:b], b - a)
+      grads = jax.grad(_loss)(params_b, _X[a:b], _Y[a:b])
+      u, state_b = tx.update(grads, state_b, params_b, weight=b - a)
+      params_b = optax.apply_updates(params_b, u)
+  assert int(optax_accum.metrics(state_a).num_updates) == 2
+  chex.assert_trees_all_close(params_a, params_b, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(state_a, state_b, rtol=1e-6, atol=1e-7)
+
+
+def test_update_and_apply_falls_back_for_chains():
+  tx = optax.chain(optax.clip(1.0), optax_accum.accumulate(optax.sgd(1.0), every_k=2))
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for g in (jnp.array([0.5, -0.5]), jnp.array([0.25, 0.75])):
+    params, state = jax.jit(optax_accum.update_and_apply, static_argnums=0)(
+      tx, {"w": g}, state, params
+    )
+  chex.assert_trees_all_close(params, {"w": jnp.array([-0.375, -0.125])})
+
+
 def test_under_vmap_over_states():
   """vmap turns the cond into a select: still exact, per replica."""
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
@@ -215,8 +250,13 @@ def test_compiled_step_has_no_param_sized_copies(kwargs):
     updates, state = tx.update(grads, state, params)
     return optax_accum.apply_if_updated(params, updates, state), state
 
-  compiled = step.lower(params, tx.init(params), params).compile()
-  assert _param_sized_copies(compiled, shape) == []
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def fused_step(params, state, grads):
+    return optax_accum.update_and_apply(tx, grads, state, params)
+
   param_bytes = 4 * 64 * 256 * 4
-  temp = compiled.memory_analysis().temp_size_in_bytes
-  assert param_bytes <= temp <= param_bytes + 4096
+  for f in (step, fused_step):
+    compiled = f.lower(params, tx.init(params), params).compile()
+    assert _param_sized_copies(compiled, shape) == []
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= param_bytes + 4096

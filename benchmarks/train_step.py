@@ -7,8 +7,8 @@ donated:
 
 * ``physical``: ``jax.value_and_grad`` over all ``B`` rows, then ``adam``.
 * ``across_step``: ``every_k`` calls, one per microbatch of ``B / every_k`` rows,
-  of ``value_and_grad`` + ``accumulate(adam, every_k).update(weight=tokens)`` +
-  ``apply_if_updated`` (the recommended train step).
+  of ``value_and_grad`` + ``update_and_apply(accumulate(adam, every_k), ...,
+  weight=tokens, value=loss)`` (the recommended train step).
 * ``in_step``: one call of ``microbatched_value_and_grad(loss, every_k)`` (a
   ``lax.scan`` over the microbatches) + ``adam``; skipped if
   ``optax_accum.microbatched_value_and_grad`` is missing.
@@ -102,10 +102,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def across(params, state, batch, weight):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx_acc.update(grads, state, params, weight=weight, value=loss)
+    params, state = optax_accum.update_and_apply(
+      tx_acc, grads, state, params, weight=weight, value=loss
+    )
     # The window's token-weighted mean loss, once the window closes.
-    window_loss = optax_accum.metrics(state).window_loss
-    return optax_accum.apply_if_updated(params, updates, state), state, window_loss
+    return params, state, optax_accum.metrics(state).window_loss
 
   # Compiled once, ahead of time; the same executables are timed.
   physical_c = physical.lower(params0, inner.init(params0), window).compile()

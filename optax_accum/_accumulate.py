@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _numerics
+from optax_accum import _numerics, _window
 from optax_accum._loss_scale import DynamicLossScale, LossScale, StaticLossScale
 
 PyTree = Any
@@ -120,7 +120,7 @@ def _check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> N
           f"{np.shape(other)}. Pass gradients of the same params the state was made for."
         )
     a = others[0]
-    if jnp.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
+    if _numerics.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
       raise TypeError(
         f"Gradient leaf {name} is {g.dtype} but the accumulator is {a.dtype}, which "
         "cannot hold it. Re-initialize the state from params of the gradients' dtype, or "
@@ -139,64 +139,6 @@ def _check_fingerprint(state: AccumulationState, every_k_fp: int) -> None:
       f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
       "accumulate() with the same configuration, or start a fresh state with tx.init."
     )
-
-
-def _window_norm(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Global L2 norm of ``g_sum / denom`` and whether every element of it is finite.
-
-  The common case reads ``g_sum`` once: ``sqrt(sum(g_sum**2)) / |denom|``. When
-  that bound is finite and below a quarter of the dtype's maximum, no element
-  of the mean can be Inf or NaN. Otherwise (a non-finite window, or a sum of
-  squares that overflowed) the exact check and norm of the guarded mean run, so
-  the result never differs from ``all_finite`` / ``optax.tree.norm`` of the mean
-  except by rounding of the norm.
-  """
-  leaves = jax.tree.leaves(g_sum)
-  if not leaves:
-    return jnp.zeros((), denom.dtype), jnp.array(True)
-  sq = optax.tree.norm(g_sum, squared=True)
-  dtype = jnp.promote_types(sq.dtype, denom.dtype)
-  limit = min(float(jnp.finfo(x.dtype).max) for x in leaves) / 4
-  nonzero = denom != 0
-  safe = jnp.where(nonzero, denom, jnp.ones_like(denom)).astype(dtype)
-  absd = jnp.abs(safe)
-  bound = jnp.where(nonzero, jnp.sqrt(sq.astype(dtype)) / absd, jnp.zeros((), dtype))
-  fast = jnp.isfinite(bound) & (bound < jnp.asarray(limit, dtype))
-  for x in leaves:  # the divisor must not underflow in a narrow accumulator dtype
-    fast = fast & (safe.astype(x.dtype) != 0)
-
-  def exact(_):
-    # Per leaf, in its dtype: |g_i| / |d| <= max |g| / |d| survives rounding
-    # and max propagates NaN, so the mean is finite iff each ratio is. The norm
-    # is rescaled by max |g| so that its sum of squares cannot overflow.
-    finite = jnp.array(True)
-    bigs = []
-    for x in leaves:
-      big = jnp.max(jnp.abs(x))
-      d = jnp.abs(safe.astype(x.dtype)).astype(big.dtype)
-      finite = finite & (~nonzero | jnp.isfinite(big / d))
-      bigs.append(big.astype(dtype))
-    big = jnp.max(jnp.stack(bigs))
-    ratio = jnp.where(nonzero, big / absd, jnp.zeros((), dtype))
-    inv = jnp.ones((), dtype) / jnp.where(finite & (big > 0), big, jnp.ones((), dtype))
-    scaled = jax.tree.map(lambda x: x * inv.astype(x.dtype), g_sum)
-    norm = ratio * jnp.sqrt(optax.tree.norm(scaled, squared=True).astype(dtype))
-    not_finite = jnp.where(jnp.isnan(sq) | jnp.isnan(big), jnp.nan, jnp.inf).astype(dtype)
-    return jnp.where(finite, norm, not_finite), finite
-
-  return jax.lax.cond(fast, lambda _: (bound, jnp.array(True)), exact, None)
-
-
-def _clip_to_norm(mean: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
-  """``optax.clip_by_global_norm(max_norm)`` given the already computed ``norm``.
-
-  Written as one scalar factor (1 below the threshold, so unclipped windows are
-  bit-identical) so that XLA fuses it into the inner optimizer's passes instead
-  of materializing the clipped mean; clipped values may differ from optax's
-  ``(t / norm) * max_norm`` in the last bit.
-  """
-  factor = jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
-  return jax.tree.map(lambda t: t * factor.astype(t.dtype), mean)
 
 
 def accumulate(
@@ -261,7 +203,11 @@ def accumulate(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
     :class:`AccumulationState`. Updates have the params' dtypes (the grads'
-    dtypes when ``params`` is None).
+    dtypes when ``params`` is None), and so does the window mean handed to
+    ``inner``: float32 master params with bf16/fp16 gradients get the float32
+    mean, not a mean rounded back to 16 bits (which would undo the loss
+    scale's protection against underflow). A mean that is finite in the
+    accumulator but overflows in that dtype counts as non-finite.
 
   Raises:
     TypeError, ValueError: at construction for a bad ``every_k`` or
@@ -368,7 +314,7 @@ def accumulate(
       if v.ndim != 0:
         raise ValueError(f"value must be the scalar loss of the microbatch, got shape {v.shape}.")
       v = v.astype(value_sum.dtype)
-      value_sum = value_sum + jnp.where(w > 0, w * v, jnp.zeros_like(v))
+      value_sum = value_sum + jnp.where(w != 0, w * v, jnp.zeros_like(v))
       value_weight = value_weight + w
     step = jnp.zeros((), jnp.int32) if no_microbatch else jnp.ones((), jnp.int32)
     mini_step = state.mini_step + step
@@ -407,24 +353,26 @@ def accumulate(
         sums = jax.lax.psum(sums, axis_name)
       g_sum, w_sum, v_sum, v_weight = sums
       denom = w_sum * state.loss_scale.astype(w_sum.dtype)
-      norm, finite = _window_norm(g_sum, denom)
+      norm, finite = _window.norm_and_finite(g_sum, denom)
+      # The mean goes to the inner optimizer in the params' dtypes: it must fit there too.
+      finite = finite & _window.fits(g_sum, denom, norm, clip_norm, out_like)
       empty = w_sum == 0
       apply = ~empty & (finite | (not skip_nonfinite))
       skipped = ~empty & ~finite & skip_nonfinite
       window_value = _numerics.guarded_divide(v_sum, v_weight)
       window_value = jnp.where(v_weight > 0, window_value, jnp.nan)
       inner_args = dict(extra_args)
-      if value is not None:
+      if value is not None or no_microbatch:
+        # A flush carries no microbatch loss: the inner still gets the window's mean.
         inner_args["value"] = window_value
 
       def run_inner(ops):
         g_sum, inner_state = ops
         # Divided here, inside the branch, so XLA fuses the division into the
-        # inner optimizer's first pass instead of materializing the mean.
-        mean = _numerics.guarded_divide(g_sum, denom)
-        if clip_norm is not None:
-          mean = _clip_to_norm(mean, norm, clip_norm)
-        mean = optax.tree.cast_like(mean, grads)
+        # inner optimizer's first pass instead of materializing the mean. Cast
+        # like the params (the grads without params): float32 master params keep
+        # the float32 window mean of bf16/fp16 gradients.
+        mean = _window.mean(g_sum, denom, norm, clip_norm, out_like)
         updates, inner_state = inner.update(mean, inner_state, params, **inner_args)
         updates = optax.tree.cast_like(updates, out_like)
         if apply_to_params:  # fused into the inner optimizer's last pass

@@ -497,12 +497,6 @@ def test_reduce_on_plateau_as_inner():
   np.testing.assert_allclose(u["w"], 0.25)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="flush() closes the window without passing the accumulated window-mean `value` to "
-  "the inner (it only forwards `value` when the closing call passes one), so an inner that "
-  "needs it (reduce_on_plateau) raises TypeError: missing keyword-only argument 'value'",
-)
 def test_flush_passes_window_mean_value_to_inner():
   inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=1))
   tx = optax_accum.accumulate(inner, every_k=4)
@@ -519,11 +513,6 @@ def test_flush_passes_window_mean_value_to_inner():
 # ----------------------------------------------------------------------------- dtypes
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the float32 window mean is cast like the *grads* (bfloat16) before the inner, so "
-  "float32 params get a bfloat16-rounded update; cast like the params instead",
-)
 def test_float32_params_with_bfloat16_grads_keep_the_float32_mean():
   # C7's numbers with float32 master params: the update is the float32 mean, not bf16-rounded.
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=128)

@@ -1,0 +1,219 @@
+"""Small deterministic models and data for tests and examples (``optax_accum.testing``).
+
+Fixed seeds, tiny sizes. Flax is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def linear_regression_data(
+  num_examples: int = 26, dim: int = 3, *, seed: int = 0, dtype: Any = jnp.float32
+) -> dict[str, jax.Array]:
+  """Model M2's data (``y = x @ theta + b + noise``) from a fixed seed.
+
+  Args:
+    num_examples: rows ``N``.
+    dim: features.
+    seed: NumPy seed.
+    dtype: float dtype of the arrays.
+
+  Returns:
+    ``{'x': [N, dim], 'y': [N]}``.
+
+  Examples:
+    >>> from optax_accum.testing import linear_regression_data
+    >>> linear_regression_data(5)['x'].shape
+    (5, 3)
+  """
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(num_examples, dim))
+  y = x @ np.arange(1.0, dim + 1) - 0.5 + 0.1 * rng.normal(size=num_examples)
+  return {"x": jnp.asarray(x, dtype), "y": jnp.asarray(y, dtype)}
+
+
+def linear_regression_params(dim: int = 3, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  """M2's params ``{'theta': [dim], 'b': []}``, away from the optimum (so gradients are non-zero).
+
+  Examples:
+    >>> from optax_accum.testing import linear_regression_params
+    >>> linear_regression_params()['theta']
+    Array([ 0.1, -0.2,  0.3], dtype=float32)
+  """
+  theta = 0.1 * np.arange(1, dim + 1) * (-1.0) ** np.arange(dim)
+  return {"theta": jnp.asarray(theta, dtype), "b": jnp.asarray(0.25, dtype)}
+
+
+def _masked_mean(per_example: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+  """Mean over ``batch['mask']`` (1 = real) if present, else over everything; 0 if empty."""
+  if "mask" not in batch:
+    return jnp.mean(per_example)
+  mask = batch["mask"].astype(per_example.dtype)
+  total = mask.sum()
+  return jnp.where(total > 0, (per_example * mask).sum() / jnp.maximum(total, 1), 0)
+
+
+def linear_regression_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]):
+  """Mean of ``0.5 * (x @ theta + b - y)**2`` over the rows (or the rows where ``mask`` is 1).
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> p = {'theta': jnp.zeros(3), 'b': jnp.asarray(0.0)}
+    >>> float(testing.linear_regression_loss(p, {'x': jnp.ones((2, 3)), 'y': jnp.array([1., 3.])}))
+    2.5
+  """
+  pred = batch["x"] @ params["theta"] + params["b"]
+  return _masked_mean(0.5 * (pred - batch["y"]) ** 2, batch)
+
+
+def mlp_params(sizes: tuple[int, ...] = (3, 16, 1), *, seed: int = 0) -> list[dict[str, jax.Array]]:
+  """Float32 params of a tanh MLP: a list of ``{'w': [m, n], 'b': [n]}`` (LeCun normal init).
+
+  Examples:
+    >>> from optax_accum.testing import mlp_params
+    >>> [p['w'].shape for p in mlp_params((3, 4, 1))]
+    [(3, 4), (4, 1)]
+  """
+  rng = np.random.default_rng(seed)
+  return [
+    {"w": jnp.asarray(rng.normal(size=(m, n)) / np.sqrt(m), jnp.float32), "b": jnp.zeros(n)}
+    for m, n in zip(sizes[:-1], sizes[1:], strict=True)
+  ]
+
+
+def mlp_loss(
+  params: list[dict[str, jax.Array]],
+  batch: Mapping[str, jax.Array],
+  *,
+  key: jax.Array | None = None,
+  dropout_rate: float = 0.5,
+) -> jax.Array:
+  """Mean squared error of the MLP on ``batch['x']``/``batch['y']`` (masked mean with ``mask``).
+
+  With ``key``, inverted dropout of ``dropout_rate`` on the hidden layers.
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> float(testing.mlp_loss(testing.mlp_params(), testing.linear_regression_data())) > 0
+    True
+  """
+  h = batch["x"]
+  for i, layer in enumerate(params):
+    h = h @ layer["w"] + layer["b"]
+    if i < len(params) - 1:
+      h = jnp.tanh(h)
+      if key is not None:
+        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1 - dropout_rate, h.shape)
+        h = jnp.where(keep, h / (1 - dropout_rate), 0)
+  return _masked_mean(0.5 * (h[:, 0] - batch["y"]) ** 2, batch)
+
+
+def token_batch(
+  num_rows: int = 8, seq_len: int = 6, vocab: int = 11, *, seed: int = 0
+) -> dict[str, jax.Array]:
+  """Padded token rows with unequal real lengths (0 to ``seq_len``; row 1 is all padding).
+
+  Returns:
+    ``{'inputs': int32[N, T], 'targets': int32[N, T], 'mask': float32[N, T]}``.
+
+  Examples:
+    >>> from optax_accum.testing import token_batch
+    >>> token_batch(4, seq_len=6)['mask'].sum(axis=1)[:2]  # a full row, an empty row
+    Array([6., 0.], dtype=float32)
+  """
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(0, seq_len + 1, size=num_rows)
+  lengths[: min(num_rows, 2)] = [seq_len, 0][: min(num_rows, 2)]
+  tokens = rng.integers(1, vocab, size=(num_rows, seq_len + 1))
+  mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.float32)
+  return {
+    "inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
+    "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
+    "mask": jnp.asarray(mask),
+  }
+
+
+def token_params(vocab: int = 11, dim: int = 8, *, seed: int = 0) -> dict[str, jax.Array]:
+  """A bigram model's params: ``{'embed': [vocab, dim], 'out': [dim, vocab]}``, float32.
+
+  Examples:
+    >>> from optax_accum.testing import token_params
+    >>> token_params()['out'].shape
+    (8, 11)
+  """
+  rng = np.random.default_rng(seed)
+  return {
+    "embed": jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32),
+    "out": jnp.asarray(rng.normal(size=(dim, vocab)) / np.sqrt(dim), jnp.float32),
+  }
+
+
+def token_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]) -> jax.Array:
+  """Mean next-token cross-entropy over the unmasked tokens (0 for an all-padding batch).
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> float(testing.token_loss(testing.token_params(), testing.token_batch())) > 0
+    True
+  """
+  logits = params["embed"][batch["inputs"]] @ params["out"]
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  return _masked_mean(nll, batch)
+
+
+def nnx_mlp(
+  in_features: int = 3,
+  hidden: int = 16,
+  *,
+  batch_norm: bool = False,
+  dropout_rate: float = 0.0,
+  seed: int = 0,
+) -> Any:
+  """A Flax NNX MLP (Linear, [BatchNorm], tanh, [Dropout], Linear -> 1), needs ``flax``.
+
+  BatchNorm is in train mode (batch statistics), the case accumulation cannot
+  reproduce. Use it with :func:`nnx_mlp_loss`.
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> model = testing.nnx_mlp(batch_norm=True)
+    >>> testing.batch_dependent_layers(model)
+    ('bn',)
+  """
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.fc1 = nnx.Linear(in_features, hidden, rngs=rngs)
+      self.bn = nnx.BatchNorm(hidden, rngs=rngs) if batch_norm else None
+      self.drop = nnx.Dropout(dropout_rate, rngs=rngs) if dropout_rate else None
+      self.fc2 = nnx.Linear(hidden, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+      h = self.fc1(x)
+      if self.bn is not None:
+        h = self.bn(h)
+      h = jnp.tanh(h)
+      if self.drop is not None:
+        h = self.drop(h)
+      return self.fc2(h)[:, 0]
+
+  return MLP(nnx.Rngs(seed))
+
+
+def nnx_mlp_loss(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+  """Mean squared error of an :func:`nnx_mlp` on ``batch['x']``/``batch['y']`` (masked mean).
+
+  Examples:
+    >>> from optax_accum import testing
+    >>> float(testing.nnx_mlp_loss(testing.nnx_mlp(), testing.linear_regression_data())) > 0
+    True
+  """
+  return _masked_mean(0.5 * (model(batch["x"]) - batch["y"]) ** 2, batch)

@@ -360,10 +360,10 @@ def train(
     _write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
     if report.update_across_step.max_rel > 100 * max(acc_diff, 1e-7):
       note = (
-        "(The AdamW rows differ more because some true gradients are exactly 0, e.g. the "
-        "attention key biases, which softmax ignores: Adam's first step g / (|g| + eps) "
-        "turns their float32 rounding, about 1e-10, into steps of up to the learning rate, "
-        "in the physical batch as much as in the window. Compare gradients, as above.)"
+        "(The AdamW rows differ more: Adam's first step g / (|g| + eps) is steep where |g| "
+        "is near eps = 1e-8, a few gradients are that small by chance, and their float32 "
+        "rounding (1e-10 or so) moves their steps by about rounding / eps, a percent or two "
+        "of the learning rate. Compare gradients, as above.)"
       )
       _write(out, textwrap.fill(note, width=100))
 

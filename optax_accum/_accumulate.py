@@ -172,8 +172,9 @@ def accumulate(
       updates, schedules, weight decay and step counts advance only on applied
       windows. Extra args reach it on the boundary call.
     every_k: microbatches per window, an int >= 1, or a callable of
-      ``num_updates`` (applied windows; int32 array) returning one, like
-      ``optax.MultiSteps(every_k_schedule=...)``.
+      ``num_updates`` (applied windows; int32 array) returning an integer
+      scalar, like ``optax.MultiSteps(every_k_schedule=...)``; a value below 1
+      acts as 1 (every call closes a window).
     accumulator_dtype: dtype of the accumulator. ``None`` (default) uses
       ``jnp.promote_types(grad.dtype, jnp.float32)`` per leaf: float32 for
       bf16/fp16/float32 gradients, float64 under ``jax_enable_x64``, complex
@@ -232,10 +233,20 @@ def accumulate(
     <https://huggingface.co/blog/gradient_accumulation>`_ (2024), on weighting by
     token counts; ``optax.MultiSteps`` for the transformation's shape.
   """
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise TypeError(
+      f"inner must be an optax.GradientTransformation, got {inner!r}. Call the factory: "
+      "accumulate(optax.adam(1e-3), every_k=4), not accumulate(optax.adam, ...)."
+    )
   every_k = _check_every_k(every_k)
   every_k_fp = -1 if callable(every_k) else every_k
-  if clip_norm is not None and not float(clip_norm) > 0:
-    raise ValueError(f"clip_norm must be > 0 (a global L2 norm), got {clip_norm}.")
+  if clip_norm is not None:
+    if isinstance(clip_norm, (bool, str)) or not isinstance(clip_norm, (int, float, np.number)):
+      raise TypeError(f"clip_norm must be a number (a global L2 norm) or None, got {clip_norm!r}.")
+    if not 0 < float(clip_norm) < float("inf"):
+      raise ValueError(f"clip_norm must be finite and > 0 (a global L2 norm), got {clip_norm}.")
+  if not isinstance(skip_nonfinite, (bool, np.bool_)):
+    raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
   if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
     raise TypeError(
       "loss_scale must be None, optax_accum.static_loss_scale(...) or "
@@ -339,7 +350,9 @@ def accumulate(
         value_sum=value_sum,
         value_weight=value_weight,
         num_microbatches=num_microbatches,
-        updated=jnp.zeros((), jnp.bool_),
+        # Constants are built from the state's own fields: zeros_like keeps their
+        # device variance, so both cond branches agree under shard_map(check_vma=True).
+        updated=jnp.zeros_like(state.updated),
         inner_state=inner_state,
       )
       if apply_to_params:  # passed through: stays in its (donated) buffer
@@ -395,7 +408,7 @@ def accumulate(
       # so both cond branches return the same type.
       zero_f = jnp.zeros_like(weight_sum)
       new_state = AccumulationState(
-        mini_step=jnp.zeros((), jnp.int32),
+        mini_step=jnp.zeros_like(state.mini_step),
         # Zeros written after the inner update has read the sums: same buffer.
         # (The token reads one element of the smallest output, e.g. Adam's count.)
         acc=_numerics.ordered_zeros(acc, _numerics.read_token((inner_state, updates))),
@@ -437,10 +450,17 @@ def flush(
     params: the current params (a tree of arrays); zero gradients of their
       shapes and dtypes are fed through ``tx``.
     **extra_args: forwarded to ``tx.update`` (and so to the inner optimizer).
+      The inner optimizer's ``value`` is the weighted mean of the ``value`` args
+      passed with the window's microbatches; a ``value`` passed here is
+      ignored (the flush carries no microbatch).
 
   Returns:
     ``(updates, new_state)``, exactly like ``tx.update``: apply the updates
     with ``optax.apply_updates``.
+
+  Raises:
+    ValueError: if ``state`` holds no :class:`AccumulationState` (flushing a
+      plain optimizer would run a real step on zero gradients).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -453,6 +473,13 @@ def flush(
     >>> updates['w']  # the mean of the two, not divided by 4
     Array(9.5, dtype=float32)
   """
+  is_state = lambda x: isinstance(x, AccumulationState)
+  if not any(is_state(x) for x in jax.tree.leaves(state, is_leaf=is_state)):
+    raise ValueError(
+      f"flush needs the state of optax_accum.accumulate (or of a chain containing it), got "
+      f"a {type(state).__name__} without one: flushing a plain optimizer would run a real "
+      "step on zero gradients."
+    )
   grads = optax.tree.zeros_like(params)
   return tx.update(
     grads, state, params, weight=0, flush=True, **{_NO_MICROBATCH: True}, **extra_args

@@ -63,7 +63,9 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
     not_finite = jnp.where(jnp.isnan(sq) | jnp.isnan(big), jnp.nan, jnp.inf).astype(dtype)
     return jnp.where(finite, norm, not_finite), finite
 
-  return jax.lax.cond(fast, lambda _: (bound, jnp.array(True)), exact, None)
+  # The constant True is built from `bound` so that it has the same device variance
+  # (shard_map with check_vma=True) as the exact branch's result.
+  return jax.lax.cond(fast, lambda _: (bound, jnp.isfinite(bound)), exact, None)
 
 
 def clip_to_norm(mean: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
@@ -115,4 +117,7 @@ def fits(
   def exact(_):
     return _numerics.all_finite(mean(g_sum, denom, norm, clip_norm, like))
 
-  return jax.lax.cond(bound <= min(limits), lambda _: jnp.array(True), exact, None)
+  def fits_for_sure(_):  # True, with `bound`'s device variance (shard_map check_vma)
+    return jnp.ones_like(bound, dtype=jnp.bool_)
+
+  return jax.lax.cond(bound <= min(limits), fits_for_sure, exact, None)

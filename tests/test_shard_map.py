@@ -214,3 +214,29 @@ def test_trap_per_device_window_cannot_be_returned_replicated():
   f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
   with pytest.raises(ValueError, match="replicat"):
     jax.jit(f).lower(params, batch)
+
+
+def test_per_device_windows_without_axis_name_under_check_vma():
+  """Independent per-device runs (no axis_name) inside shard_map with check_vma=True.
+
+  Each device's window is its own: the result equals a plain single-device run on that
+  device's gradients (the boundary's constant branches must keep the device variance).
+  """
+  mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+  sharding = NamedSharding(mesh, P("d"))
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+  params = jax.device_put(jnp.zeros((2, 3)), sharding)
+  state = jax.device_put(jax.vmap(tx.init)(jnp.zeros((2, 3))), sharding)
+  grads = np.arange(12, dtype=np.float32).reshape(2, 2, 3)  # [microstep, device, 3]
+
+  def body(p, s, g):
+    s = jax.tree.map(lambda x: x[0], s)
+    u, s = tx.update(g[0], s, p[0], weight=1.0 + g[0, 0])
+    return (p[0] + u)[None], jax.tree.map(lambda x: x[None], s)
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+  for g in grads:
+    params, state = step(params, state, jax.device_put(jnp.asarray(g), sharding))
+  w = 1.0 + grads[:, :, :1]  # weight of each device's microbatch, [microstep, device, 1]
+  expected = -(w * grads).sum(0) / w.sum(0)
+  np.testing.assert_allclose(np.asarray(params), expected, rtol=1e-6)

@@ -22,6 +22,19 @@ import numpy as np
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def _number(owner: str, name: str, x: object) -> float:
+  """``float(x)`` for a real Python/NumPy number; a clear TypeError otherwise."""
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{owner}: {name} must be a number, got {x!r}.")
+  return float(x)
+
+
+def _check(owner: str, checks: list[tuple[bool, str]]) -> None:
+  for ok, message in checks:
+    if not ok:
+      raise ValueError(f"{owner}: {message}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
   """A constant loss scale.
@@ -31,6 +44,14 @@ class StaticLossScale:
   """
 
   value: float
+
+  def __post_init__(self):
+    value = _number("static_loss_scale", "value", self.value)
+    _check(
+      "static_loss_scale",
+      [(0 < value <= _FLOAT32_MAX, f"value must be > 0 and finite in float32, got {value}")],
+    )
+    object.__setattr__(self, "value", value)
 
   def initial_scale(self) -> float:
     return float(self.value)
@@ -63,6 +84,37 @@ class DynamicLossScale:
   growth_interval: int = 2000
   min_scale: float = 1.0
   max_scale: float = 2.0**24
+
+  def __post_init__(self):
+    owner = "dynamic_loss_scale"
+    names = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    names += ("min_scale", "max_scale")
+    v = {n: _number(owner, n, getattr(self, n)) for n in names}
+    finite = _FLOAT32_MAX  # the scale is stored in float32
+    _check(
+      owner,
+      [
+        (0 < v["init_scale"] <= finite, "init_scale must be > 0 and finite in float32"),
+        (1 < v["growth_factor"] < float("inf"), "growth_factor must be > 1 and finite"),
+        (0 < v["backoff_factor"] < 1, "backoff_factor must be in (0, 1)"),
+        (
+          np.isfinite(v["growth_interval"])
+          and int(v["growth_interval"]) == v["growth_interval"] >= 1,
+          "growth_interval must be an integer >= 1",
+        ),
+        (
+          0 < v["min_scale"] <= v["max_scale"] <= finite,
+          "need 0 < min_scale <= max_scale <= 3.4e38",
+        ),
+        (
+          v["min_scale"] <= v["init_scale"] <= v["max_scale"],
+          "init_scale must lie in [min_scale, max_scale]",
+        ),
+      ],
+    )
+    v["growth_interval"] = int(v["growth_interval"])
+    for n, x in v.items():
+      object.__setattr__(self, n, x)
 
   def initial_scale(self) -> float:
     return float(self.init_scale)
@@ -112,7 +164,8 @@ def static_loss_scale(value: float) -> StaticLossScale:
     A :class:`StaticLossScale` to pass as ``accumulate(..., loss_scale=...)``.
 
   Raises:
-    ValueError: if ``value`` is not a finite positive number.
+    ValueError: if ``value`` is not a positive number finite in float32.
+    TypeError: if ``value`` is not a number.
 
   Examples:
     >>> import optax, optax_accum
@@ -122,11 +175,6 @@ def static_loss_scale(value: float) -> StaticLossScale:
     >>> float(optax_accum.get_loss_scale(state))
     1024.0
   """
-  value = float(value)
-  if not 0 < value <= _FLOAT32_MAX:
-    raise ValueError(
-      f"static_loss_scale needs a value > 0 that is finite in float32 (<= 3.4e38), got {value}."
-    )
   return StaticLossScale(value)
 
 
@@ -160,6 +208,7 @@ def dynamic_loss_scale(
 
   Raises:
     ValueError: for a parameter outside the ranges above.
+    TypeError: for a parameter that is not a number (a bool or string, say).
 
   References:
     Micikevicius et al., `Mixed Precision Training
@@ -173,26 +222,6 @@ def dynamic_loss_scale(
     >>> float(optax_accum.get_loss_scale(state))
     1024.0
   """
-  finite = _FLOAT32_MAX  # the scale is stored in float32
-  checks = [
-    (0 < init_scale <= finite, "init_scale must be > 0 and finite in float32"),
-    (growth_factor > 1, "growth_factor must be > 1"),
-    (0 < backoff_factor < 1, "backoff_factor must be in (0, 1)"),
-    (
-      int(growth_interval) == growth_interval and growth_interval >= 1,
-      "growth_interval must be an integer >= 1",
-    ),
-    (0 < min_scale <= max_scale <= finite, "need 0 < min_scale <= max_scale <= 3.4e38"),
-    (min_scale <= init_scale <= max_scale, "init_scale must lie in [min_scale, max_scale]"),
-  ]
-  for ok, message in checks:
-    if not ok:
-      raise ValueError(f"dynamic_loss_scale: {message}.")
   return DynamicLossScale(
-    float(init_scale),
-    float(growth_factor),
-    float(backoff_factor),
-    int(growth_interval),
-    float(min_scale),
-    float(max_scale),
+    init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale
   )

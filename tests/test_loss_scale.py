@@ -222,3 +222,18 @@ def test_dynamic_rule_matches_gradscaler_model(
   assert got == _gradscaler_reference(config, flags)
   assert all(config["min_scale"] <= s <= config["max_scale"] for s, _ in got)
   assert all(math.isfinite(s) for s, _ in got)
+
+
+@pytest.mark.parametrize(
+  "make, error",
+  [
+    (lambda: optax_accum.StaticLossScale(-3.0), ValueError),
+    (lambda: optax_accum.DynamicLossScale(backoff_factor=2.0), ValueError),
+    (lambda: optax_accum.DynamicLossScale(growth_interval=True), TypeError),
+    (lambda: optax_accum.dynamic_loss_scale(init_scale="1"), TypeError),
+    (lambda: optax_accum.dynamic_loss_scale(growth_interval=float("inf")), ValueError),
+  ],
+)
+def test_classes_validate_like_the_factories(make, error):
+  with pytest.raises(error):
+    make()

@@ -253,6 +253,12 @@ def microbatched_value_and_grad(
       state0 = None
     key = kwargs.pop("key", None)
     scale = None if loss_scale is None else jnp.asarray(loss_scale, _numerics.scalar_dtype())
+    if loss_scale is not None and not isinstance(loss_scale, jax.core.Tracer):
+      if not 0 < float(np.asarray(loss_scale)) < float("inf"):
+        raise ValueError(
+          f"loss_scale must be a finite number > 0, got {loss_scale}. Pass None for no "
+          "scaling, or optax_accum.get_loss_scale(opt_state)."
+        )
     mb0 = jax.tree.map(lambda x: x[0], micro)
 
     def grads_of(mb, k, state):

@@ -94,6 +94,11 @@ def check_weight(weight: Any, name: str = "weight") -> jax.Array:
       not finite.
     TypeError: if the weight is complex or not numeric.
   """
+  if weight is None or isinstance(weight, (str, bytes)):
+    raise TypeError(
+      f"{name} must be a number (examples or unmasked tokens), got {weight!r}. "
+      f"Pass e.g. {name}=mask.sum() or {name}=x.shape[0]."
+    )
   if isinstance(weight, bool) or (
     hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
   ):
@@ -130,7 +135,7 @@ def weighted_add(acc: PyTree, grads: PyTree, weight: jax.Array) -> PyTree:
 
   def add(a, g):
     w = weight.astype(a.dtype)
-    return a + jnp.where(weight != 0, w * g.astype(a.dtype), jnp.zeros((), a.dtype))
+    return a + jnp.where(weight != 0, w * jnp.asarray(g).astype(a.dtype), jnp.zeros((), a.dtype))
 
   return jax.tree.map(add, acc, grads)
 

@@ -713,3 +713,38 @@ def test_traced_negative_weight_subtracts_its_microbatch():
   # Documented: a traced negative weight subtracts its microbatch from the sum and from the
   # weight sum alike: -(2 * 1 - 5) / (2 - 1) = 3.
   assert float(u) == 3.0
+
+
+def test_flush_of_a_plain_optimizer_raises():
+  # Flushing optax.adamw itself would run a real step (weight decay on zero gradients).
+  params = {"w": jnp.ones(2)}
+  inner = optax.adamw(0.1, weight_decay=0.5)
+  with pytest.raises(ValueError, match="flush needs the state of optax_accum.accumulate"):
+    optax_accum.flush(inner, inner.init(params), params)
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    (dict(clip_norm=True), TypeError, "clip_norm must be a number"),
+    (dict(clip_norm="1"), TypeError, "clip_norm must be a number"),
+    (dict(clip_norm=float("inf")), ValueError, "clip_norm must be finite"),
+    (dict(skip_nonfinite="no"), TypeError, "skip_nonfinite must be True or False"),
+  ],
+)
+def test_bad_options_raise(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    optax_accum.accumulate(optax.sgd(1.0), 2, **kwargs)
+
+
+def test_uncalled_inner_factory_raises():
+  with pytest.raises(TypeError, match="Call the factory"):
+    optax_accum.accumulate(optax.sgd, 2)
+
+
+@pytest.mark.parametrize("weight", [None, "3"])
+def test_non_numeric_weight_raises(weight):
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  params = {"w": jnp.zeros(2)}
+  with pytest.raises(TypeError, match="weight must be a number"):
+    tx.update({"w": jnp.ones(2)}, tx.init(params), params, weight=weight)

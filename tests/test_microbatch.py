@@ -333,3 +333,24 @@ def test_strict_dtype_promotion_and_integer_aux(token_data):
   chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
   # An integer aux comes back as its float weighted mean: every microbatch has 4 rows.
   chex.assert_trees_all_equal(aux["rows"], jnp.asarray(16 / K, jnp.float32))
+
+
+def test_python_scalar_aux_leaf_is_averaged_like_an_array():
+  grad_fn = optax_accum.microbatched_value_and_grad(
+    lambda p, b: (((b * p) ** 2).mean(), {"lr": 0.1, "n": b.shape[0]}), 2, has_aux=True
+  )
+  (loss, aux), g = jax.jit(grad_fn)(1.0, jnp.arange(4.0))
+  ref_loss, ref_g = jax.value_and_grad(lambda p: ((jnp.arange(4.0) * p) ** 2).mean())(1.0)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  np.testing.assert_allclose(g, ref_g, rtol=1e-6)
+  np.testing.assert_allclose(aux["lr"], 0.1, rtol=1e-6)
+  np.testing.assert_allclose(aux["n"], 2.0)  # every microbatch has 2 rows
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_concrete_bad_loss_scale_raises(scale):
+  grad_fn = optax_accum.microbatched_value_and_grad(
+    lambda p, b: (b * p).mean(), 2, loss_scale=scale
+  )
+  with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+    grad_fn(1.0, jnp.ones(4))

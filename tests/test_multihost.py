@@ -1,7 +1,9 @@
 """Two processes on localhost (jax.distributed, CPU collectives over gloo) apply one update.
 
-Each process has 2 CPU devices; the mesh spans all 4. Both run the shard_map
-recipe over the same global microbatches (each feeds only its own devices'
+Each process has 2 CPU devices; the mesh spans all 4. Both run the documented
+shard_map recipe (default ``check_vma=True``; ``jax.grad`` of
+``jax.lax.pcast(params, 'data', to='varying')``, the replicated params passed to
+``tx.update``) over the same global microbatches (each feeds only its own devices'
 rows) and must end with bitwise-identical params, equal to a single-process
 run of ``accumulate`` without ``axis_name`` on the concatenated microbatches.
 """
@@ -80,12 +82,14 @@ WORKER = COMMON + textwrap.dedent(
 
   def body(params, opt_state, batch):
     opt_state = optax_accum.local_state(opt_state)
-    grads = jax.grad(loss_fn)(params, batch)
+    # Differentiate w.r.t. a device-varying copy: the gradient stays local (no
+    # all-reduce per microstep). tx.update and apply_updates get the replicated params.
+    grads = jax.grad(loss_fn)(jax.lax.pcast(params, "data", to="varying"), batch)
     updates, opt_state = tx.update(grads, opt_state, params, weight=jnp.sum(batch["mask"]))
     return optax.apply_updates(params, updates), optax_accum.stacked_state(opt_state)
 
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs), check_vma=False))
+                               out_specs=(P(), specs)))
   for batch in make_batches():
     params, opt_state = step(params, opt_state, jax.tree.map(
       lambda x: global_array(x, P("data")), batch))

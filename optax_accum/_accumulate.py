@@ -63,6 +63,17 @@ class AccumulationState(NamedTuple):
     every_k: int32 fingerprint of the configuration: the window length, or -1
       when ``every_k`` is a schedule. Checked on every concrete call.
     inner_state: the inner optimizer's state; changes only on applied windows.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=4)
+    >>> params = {'w': jnp.zeros(3)}
+    >>> state = tx.init(params)
+    >>> state.acc['w'].dtype, int(state.every_k), float(state.loss_scale)
+    (dtype('float32'), 4, 1.0)
+    >>> _, state = tx.update({'w': jnp.ones(3)}, state, params, weight=2)
+    >>> int(state.mini_step), float(state.weight_sum), state.acc['w']  # acc = 2 * g
+    (1, 2.0, Array([2., 2., 2.], dtype=float32))
   """
 
   mini_step: jax.Array

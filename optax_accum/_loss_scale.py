@@ -37,10 +37,23 @@ def _check(owner: str, checks: list[tuple[bool, str]]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
-  """A constant loss scale.
+  """A constant loss scale; make one with :func:`static_loss_scale`.
 
   Attributes:
     value: the factor the loss is multiplied by (float32, > 0).
+
+  Raises:
+    ValueError: if ``value`` is not positive and finite in float32.
+    TypeError: if ``value`` is not a number.
+
+  Examples:
+    >>> import optax_accum
+    >>> s = optax_accum.static_loss_scale(128.0)
+    >>> s.initial_scale()
+    128.0
+    >>> scale, streak = s.adjust(jnp.float32(128.0), jnp.int32(0), jnp.bool_(False))
+    >>> float(scale), int(streak)  # even after an overflow
+    (128.0, 0)
   """
 
   value: float
@@ -54,12 +67,22 @@ class StaticLossScale:
     object.__setattr__(self, "value", value)
 
   def initial_scale(self) -> float:
+    """Returns ``value``, the scale of every window (a Python float)."""
     return float(self.value)
 
   def adjust(
     self, scale: jax.Array, streak: jax.Array, finite: jax.Array
   ) -> tuple[jax.Array, jax.Array]:
-    """Returns ``(scale, streak)`` unchanged: a static scale never moves."""
+    """The (trivial) rule applied once per non-empty window boundary.
+
+    Args:
+      scale: the scale in force (float32, 0-d).
+      streak: applied windows since the last change of scale (int32, 0-d).
+      finite: whether the window's mean gradient was finite (bool, 0-d); unused.
+
+    Returns:
+      ``(scale, streak)`` unchanged: a static scale never moves.
+    """
     del finite
     return scale, streak
 
@@ -76,6 +99,26 @@ class DynamicLossScale:
     growth_interval: applied windows between growths.
     min_scale: the floor; backoff never goes below it.
     max_scale: the ceiling; growth never goes above it.
+
+  Raises:
+    ValueError: for a field outside the ranges of :func:`dynamic_loss_scale`.
+    TypeError: for a field that is not a number.
+
+  Examples:
+    >>> import optax_accum
+    >>> s = optax_accum.dynamic_loss_scale(init_scale=8.0, growth_interval=2, min_scale=4.0)
+    >>> s.initial_scale()
+    8.0
+    >>> scale, streak = jnp.float32(8.0), jnp.int32(0)
+    >>> for finite in (True, True, False, False):  # grow after 2 applied windows, back off twice
+    ...   scale, streak = s.adjust(scale, streak, jnp.bool_(finite))
+    ...   print(float(scale), int(streak))
+    8.0 1
+    16.0 0
+    8.0 0
+    4.0 0
+    >>> float(s.adjust(scale, streak, jnp.bool_(False))[0])  # floored at min_scale
+    4.0
   """
 
   init_scale: float = 2.0**16
@@ -117,6 +160,7 @@ class DynamicLossScale:
       object.__setattr__(self, n, x)
 
   def initial_scale(self) -> float:
+    """Returns ``init_scale``, the scale of the first window (a Python float)."""
     return float(self.init_scale)
 
   def adjust(

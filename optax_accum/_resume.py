@@ -37,7 +37,14 @@ def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
       ``sharding`` (see :func:`optax_accum.state_shardings`).
 
   Returns:
-    A tree of ``jax.ShapeDtypeStruct`` with the structure of the state.
+    A tree of ``jax.ShapeDtypeStruct`` with the structure of the state: the
+    shapes and dtypes of ``jax.eval_shape(tx.init, params)`` and the shardings
+    of :func:`optax_accum.state_shardings`.
+
+  Raises:
+    TypeError: if a param has no sharding (a NumPy array, say) or a sharding
+      from which no replicated sharding can be derived (as
+      :func:`optax_accum.state_shardings`).
 
   Examples:
     >>> import optax, optax_accum

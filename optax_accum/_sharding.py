@@ -195,7 +195,8 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
       over, the same as ``accumulate(..., axis_name=...)``.
 
   Returns:
-    A tree of ``PartitionSpec`` with the structure of ``opt_state``.
+    A tree of ``PartitionSpec`` with the structure of ``opt_state``. It raises
+    nothing: a state without an ``accumulate`` state gets ``P()`` everywhere.
 
   Examples:
     >>> import optax, optax_accum
@@ -232,7 +233,12 @@ def stack_windows(
     axis_name: the mesh axis (or tuple of axes) of the data-parallel replicas.
 
   Returns:
-    The state with global ``jax.Array`` leaves laid out per :func:`window_specs`.
+    The state with global ``jax.Array`` leaves laid out per :func:`window_specs`:
+    window sums ``[n, *shape]`` with ``n = mesh.shape[axis_name]`` (the product
+    over a tuple of axes), same dtypes.
+
+  Raises:
+    KeyError: if ``axis_name`` (or one of its axes) is not an axis of ``mesh``.
 
   Examples:
     >>> import optax, optax_accum
@@ -264,6 +270,19 @@ def local_state(opt_state: PyTree) -> PyTree:
   The result is a state ``tx.update`` accepts. :func:`stacked_state` undoes it
   before the state is returned from the ``shard_map`` body.
 
+  Args:
+    opt_state: the ``shard_map`` body's block of a state laid out by
+      :func:`stack_windows` (window sums ``[1, *shape]``); any nesting
+      (``optax.chain``, ...) of ``accumulate`` states.
+
+  Returns:
+    The same structure with the window sums ``[*shape]`` (the leading axis
+    indexed away; dtypes unchanged). Every other leaf is passed through.
+
+  Raises:
+    IndexError: if the window sums have no device axis (a state that did not
+      come from :func:`stack_windows`: its 0-d ``weight_sum`` cannot be indexed).
+
   Examples:
     >>> import optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
@@ -277,7 +296,31 @@ def local_state(opt_state: PyTree) -> PyTree:
 def stacked_state(opt_state: PyTree) -> PyTree:
   """Inside ``shard_map``: gives the window sums back their device axis (a block of 1).
 
-  Inverse of :func:`local_state`; see its example.
+  Inverse of :func:`local_state`: call it on the state ``tx.update`` returned,
+  before returning it from the ``shard_map`` body with :func:`window_specs` as
+  its ``out_specs``.
+
+  Args:
+    opt_state: a state whose window sums (``acc``, ``weight_sum``,
+      ``value_sum``, ``value_weight``) have their per-device shapes ``[*shape]``.
+
+  Returns:
+    The same structure with the window sums ``[1, *shape]`` (dtypes
+    unchanged); every other leaf is passed through.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
+    >>> state = optax_accum.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
+    >>> specs = optax_accum.window_specs(state, 'data')
+    >>> def body(s):
+    ...   s = optax_accum.local_state(s)  # acc['w']: [3] on each device
+    ...   return optax_accum.stacked_state(s)  # [1, 3] again
+    >>> out = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs)(state)
+    >>> out.acc['w'].shape, out.weight_sum.shape  # one block per device
+    ((8, 3), (8,))
   """
   return map_states(lambda s: map_window(lambda x: x[None], s), opt_state)
 
@@ -308,7 +351,8 @@ def count_collectives(hlo_text: str) -> dict[str, collections.Counter]:
     ``{'outside': Counter, 'in_conditional': Counter}`` keyed by opcode
     (``'all-reduce'``, ``'all-gather'``, ``'reduce-scatter'``,
     ``'all-to-all'``, ``'collective-permute'``). A variadic all-reduce of
-    several arrays counts once.
+    several arrays counts once. It raises nothing: text without HLO
+    computations gives two empty counters.
 
   Examples:
     >>> import optax_accum

@@ -75,6 +75,19 @@ class Metrics(NamedTuple):
     loss_scale: float32, the loss scale for the current window (1.0 unscaled).
     grad_norm: float, pre-clip global norm of the last closed window's mean
       gradient (NaN before the first window closes).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=2)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> for loss, n in ((1.0, 3), (3.0, 1)):  # one window: losses 1 and 3, weights 3 and 1
+    ...   _, state = tx.update({'w': jnp.ones(2)}, state, params, weight=n, value=loss)
+    >>> m = optax_accum.metrics(state)
+    >>> bool(m.updated), int(m.num_updates), int(m.mini_step), int(m.num_microbatches)
+    (True, 1, 0, 2)
+    >>> float(m.window_loss), round(float(m.grad_norm), 4)  # (3*1 + 1*3) / 4; |(1, 1)|
+    (1.5, 1.4142)
   """
 
   mini_step: jax.Array
@@ -180,7 +193,8 @@ def discard(opt_state: PyTree) -> PyTree:
       ``nnx.Optimizer.opt_state`` (assign the result back to it).
 
   Returns:
-    A state of the same structure with the open window(s) emptied.
+    A state of the same structure with the open window(s) emptied. It raises
+    nothing: a state without an ``accumulate`` state is returned unchanged.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum

@@ -19,14 +19,20 @@ def linear_regression_data(
 ) -> dict[str, jax.Array]:
   """Model M2's data (``y = x @ theta + b + noise``) from a fixed seed.
 
+  ``theta = (1, 2, ..., dim)``, ``b = -0.5``, ``x`` standard normal, noise
+  normal with standard deviation 0.1.
+
   Args:
-    num_examples: rows ``N``.
-    dim: features.
-    seed: NumPy seed.
+    num_examples: rows ``N`` (>= 0).
+    dim: features (>= 0).
+    seed: NumPy seed (>= 0).
     dtype: float dtype of the arrays.
 
   Returns:
-    ``{'x': [N, dim], 'y': [N]}``.
+    ``{'x': [N, dim], 'y': [N]}`` in ``dtype``.
+
+  Raises:
+    ValueError: from NumPy, if ``num_examples``, ``dim`` or ``seed`` is negative.
 
   Examples:
     >>> from optax_accum.testing import linear_regression_data
@@ -41,6 +47,14 @@ def linear_regression_data(
 
 def linear_regression_params(dim: int = 3, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
   """M2's params ``{'theta': [dim], 'b': []}``, away from the optimum (so gradients are non-zero).
+
+  Args:
+    dim: features, as in :func:`linear_regression_data`.
+    dtype: float dtype of the arrays.
+
+  Returns:
+    ``{'theta': [dim], 'b': []}`` in ``dtype``: ``theta = 0.1 * (1, -2, 3, ...)``,
+    ``b = 0.25``.
 
   Examples:
     >>> from optax_accum.testing import linear_regression_params
@@ -63,6 +77,14 @@ def _masked_mean(per_example: jax.Array, batch: Mapping[str, jax.Array]) -> jax.
 def linear_regression_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]):
   """Mean of ``0.5 * (x @ theta + b - y)**2`` over the rows (or the rows where ``mask`` is 1).
 
+  Args:
+    params: ``{'theta': [dim], 'b': []}`` (:func:`linear_regression_params`).
+    batch: ``{'x': [N, dim], 'y': [N]}`` and optionally ``'mask': [N]`` (1 = a
+      real row, 0 = padding), as from :func:`linear_regression_data`.
+
+  Returns:
+    A 0-d array in the params' and data's dtype; 0 when ``mask`` is all 0.
+
   Examples:
     >>> from optax_accum import testing
     >>> p = {'theta': jnp.zeros(3), 'b': jnp.asarray(0.0)}
@@ -75,6 +97,14 @@ def linear_regression_loss(params: Mapping[str, jax.Array], batch: Mapping[str, 
 
 def mlp_params(sizes: tuple[int, ...] = (3, 16, 1), *, seed: int = 0) -> list[dict[str, jax.Array]]:
   """Float32 params of a tanh MLP: a list of ``{'w': [m, n], 'b': [n]}`` (LeCun normal init).
+
+  Args:
+    sizes: layer widths, input first: ``(3, 16, 1)`` is 3 features, one hidden
+      layer of 16, one output (:func:`mlp_loss` reads output 0).
+    seed: NumPy seed.
+
+  Returns:
+    ``len(sizes) - 1`` layers; ``w`` is ``normal / sqrt(m)``, ``b`` zeros.
 
   Examples:
     >>> from optax_accum.testing import mlp_params
@@ -99,6 +129,16 @@ def mlp_loss(
 
   With ``key``, inverted dropout of ``dropout_rate`` on the hidden layers.
 
+  Args:
+    params: the layers of :func:`mlp_params`.
+    batch: ``{'x': [N, sizes[0]], 'y': [N]}``, optionally ``'mask': [N]``.
+    key: a PRNG key for dropout; None (the default) for none.
+    dropout_rate: the probability of dropping a hidden unit, in ``[0, 1)``.
+
+  Returns:
+    A 0-d float32 array: the mean of ``0.5 * (out - y)**2``; 0 when ``mask``
+    is all 0.
+
   Examples:
     >>> from optax_accum import testing
     >>> float(testing.mlp_loss(testing.mlp_params(), testing.linear_regression_data())) > 0
@@ -120,8 +160,22 @@ def token_batch(
 ) -> dict[str, jax.Array]:
   """Padded token rows with unequal real lengths (0 to ``seq_len``; row 1 is all padding).
 
+  Row 0 is full (``seq_len`` real tokens), row 1 empty, the others have random
+  lengths. Tokens are drawn from ``1 .. vocab - 1``; ``targets`` is ``inputs``
+  shifted by one.
+
+  Args:
+    num_rows: rows ``N``.
+    seq_len: tokens per row ``T``.
+    vocab: vocabulary size (>= 2).
+    seed: NumPy seed.
+
   Returns:
-    ``{'inputs': int32[N, T], 'targets': int32[N, T], 'mask': float32[N, T]}``.
+    ``{'inputs': int32[N, T], 'targets': int32[N, T], 'mask': float32[N, T]}``
+    (mask 1 = a real token, 0 = padding).
+
+  Raises:
+    ValueError: from NumPy, if ``vocab < 2`` or a size or the seed is negative.
 
   Examples:
     >>> from optax_accum.testing import token_batch
@@ -143,6 +197,14 @@ def token_batch(
 def token_params(vocab: int = 11, dim: int = 8, *, seed: int = 0) -> dict[str, jax.Array]:
   """A bigram model's params: ``{'embed': [vocab, dim], 'out': [dim, vocab]}``, float32.
 
+  Args:
+    vocab: vocabulary size, as in :func:`token_batch`.
+    dim: embedding width.
+    seed: NumPy seed.
+
+  Returns:
+    ``embed`` standard normal, ``out`` normal / ``sqrt(dim)``.
+
   Examples:
     >>> from optax_accum.testing import token_params
     >>> token_params()['out'].shape
@@ -157,6 +219,14 @@ def token_params(vocab: int = 11, dim: int = 8, *, seed: int = 0) -> dict[str, j
 
 def token_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]) -> jax.Array:
   """Mean next-token cross-entropy over the unmasked tokens (0 for an all-padding batch).
+
+  Args:
+    params: :func:`token_params`.
+    batch: :func:`token_batch`'s ``inputs``, ``targets`` and ``mask``
+      (``[N, T]`` each).
+
+  Returns:
+    A 0-d float32 array, in nats per unmasked token.
 
   Examples:
     >>> from optax_accum import testing
@@ -180,6 +250,19 @@ def nnx_mlp(
 
   BatchNorm is in train mode (batch statistics), the case accumulation cannot
   reproduce. Use it with :func:`nnx_mlp_loss`.
+
+  Args:
+    in_features: input width (3 matches :func:`linear_regression_data`).
+    hidden: hidden width.
+    batch_norm: add an ``nnx.BatchNorm`` after the first layer.
+    dropout_rate: add an ``nnx.Dropout`` of this rate after the tanh (0: none).
+    seed: seed of the ``nnx.Rngs`` (init and dropout).
+
+  Returns:
+    An ``nnx.Module`` mapping ``x: float32[N, in_features]`` to ``float32[N]``.
+
+  Raises:
+    ImportError: if ``flax`` is not installed.
 
   Examples:
     >>> from optax_accum import testing
@@ -210,6 +293,14 @@ def nnx_mlp(
 
 def nnx_mlp_loss(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
   """Mean squared error of an :func:`nnx_mlp` on ``batch['x']``/``batch['y']`` (masked mean).
+
+  Args:
+    model: an :func:`nnx_mlp`.
+    batch: ``{'x': [N, in_features], 'y': [N]}``, optionally ``'mask': [N]``.
+
+  Returns:
+    A 0-d float32 array: the mean of ``0.5 * (model(x) - y)**2``; 0 when
+    ``mask`` is all 0.
 
   Examples:
     >>> from optax_accum import testing

@@ -77,6 +77,12 @@ class Difference(NamedTuple):
     max_abs: ``max |x - ref|`` over all leaves and elements.
     max_rel: ``max_abs / scale`` (0 when both are 0).
     scale: ``max |ref|``, the reference's largest magnitude.
+
+  Examples:
+    >>> from optax_accum.testing import Difference
+    >>> d = Difference(max_abs=0.5, max_rel=0.125, scale=4.0)
+    >>> d.ok(rtol=0.125, atol=0.0), d.ok(rtol=0.0, atol=0.25)  # 0.5 <= 0.125 * 4; 0.5 > 0.25
+    (True, False)
   """
 
   max_abs: float
@@ -84,7 +90,15 @@ class Difference(NamedTuple):
   scale: float
 
   def ok(self, rtol: float, atol: float) -> bool:
-    """``max_abs <= atol + rtol * scale`` (``numpy.allclose`` with one global scale)."""
+    """``max_abs <= atol + rtol * scale`` (``numpy.allclose`` with one global scale).
+
+    Args:
+      rtol: relative tolerance, against ``scale``.
+      atol: absolute tolerance, in the units of the compared quantity.
+
+    Returns:
+      A Python bool.
+    """
     return bool(self.max_abs <= atol + rtol * self.scale)
 
 
@@ -116,6 +130,17 @@ class EquivalenceReport(NamedTuple):
     num_updates: updates ``accumulate`` applied in the window (should be 1).
     weights: the weight of each microbatch.
     batch_dependent_layers: paths of detected BatchNorm layers or collections.
+
+  Examples:
+    >>> from optax_accum.testing import Difference, EquivalenceReport
+    >>> ok, off = Difference(0.0, 0.0, 1.0), Difference(1e-3, 1e-3, 1.0)
+    >>> report = EquivalenceReport(ok, ok, ok, ok, ok, mean_of_means=off, num_updates=1,
+    ...                            weights=(3.0, 1.0), batch_dependent_layers=())
+    >>> report.passed()  # mean_of_means is shown, not checked
+    True
+    >>> bad = report._replace(update_across_step=off)
+    >>> bad.passed(), bad.passed(rtol=1e-2), report._replace(num_updates=0).passed()
+    (False, True, False)
   """
 
   loss: Difference
@@ -129,7 +154,20 @@ class EquivalenceReport(NamedTuple):
   batch_dependent_layers: tuple[str, ...]
 
   def passed(self, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-    """Whether every checked row is within tolerance and exactly one update was applied."""
+    """Whether every checked row is within tolerance and exactly one update was applied.
+
+    The checked rows are ``loss``, ``grad_in_step``, ``sgd_across_step``,
+    ``update_in_step`` and ``update_across_step`` (not ``mean_of_means``, the
+    error that weighting avoids).
+
+    Args:
+      rtol: relative tolerance of each row, against its reference's largest
+        magnitude (:meth:`Difference.ok`).
+      atol: absolute tolerance. The float32 defaults allow rounding only.
+
+    Returns:
+      A Python bool.
+    """
     rows = (self.loss, self.grad_in_step, self.sgd_across_step)
     rows += (self.update_in_step, self.update_across_step)
     return self.num_updates == 1 and all(d.ok(rtol, atol) for d in rows)
@@ -165,7 +203,8 @@ def batch_dependent_layers(model: Any) -> tuple[str, ...]:
       (nothing is found).
 
   Returns:
-    A tuple of paths, e.g. ``('bn',)`` or ``("batch_stats['BatchNorm_0']",)``.
+    A tuple of paths, e.g. ``('bn',)`` or ``('batch_stats/BatchNorm_0',)``;
+    empty when none is found. It raises nothing: any other input gives ``()``.
 
   Examples:
     >>> from optax_accum.testing import batch_dependent_layers

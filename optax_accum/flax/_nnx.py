@@ -82,6 +82,11 @@ def flush(optimizer: nnx.Optimizer, model: Any, **extra_args: Any) -> optax.Upda
     The applied updates, a ``State`` of arrays like the ``wrt`` params (zeros
     when the window was empty).
 
+  Raises:
+    ValueError: if ``optimizer.opt_state`` holds no
+      :class:`optax_accum.AccumulationState` (flushing a plain optimizer would
+      run a real step on zero gradients); as :func:`optax_accum.flush`.
+
   Examples:
     >>> import optax, optax_accum, optax_accum.flax
     >>> from flax import nnx
@@ -116,7 +121,8 @@ def discard(optimizer: nnx.Optimizer) -> None:
       :func:`optax_accum.accumulate`.
 
   Returns:
-    None; ``optimizer.opt_state`` is updated in place.
+    None; ``optimizer.opt_state`` is updated in place. It raises nothing: an
+    optimizer without an ``accumulate`` state is left unchanged.
 
   Examples:
     >>> import optax, optax_accum, optax_accum.flax

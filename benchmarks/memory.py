@@ -24,7 +24,6 @@ against the physical batch measured in the same process.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -35,6 +34,11 @@ import jax.numpy as jnp
 import optax
 
 import optax_accum
+
+try:
+  from benchmarks.microstep import write_report
+except ImportError:  # run as a script: benchmarks/ is on sys.path
+  from microstep import write_report  # type: ignore[no-redef]
 
 
 def memory(fn: Any, *args: Any) -> dict[str, int]:
@@ -151,12 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.batch_size % args.microbatches:
     parser.error("--batch-size must be divisible by --microbatches")
   report = run(args.batch_size, args.microbatches, args.seq_len, args.dim, args.depth, args.heads)
-  text = json.dumps(report, indent=1)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text + "\n")
-  else:
-    print(text)
+  write_report(report, args.out)
   r = report["ratios"]
   print(
     f"temp bytes vs physical batch: in-step {r['in_step_temp_vs_physical']:.3f}, "

@@ -236,6 +236,16 @@ def available_bytes() -> float:
   return float("inf")
 
 
+def write_report(report: dict[str, Any], out: str | None) -> None:
+  """Writes a benchmark's JSON report to the file ``out``, or to stdout when it is None."""
+  text = json.dumps(report, indent=1) + "\n"
+  if out:
+    with open(out, "w") as f:
+      f.write(text)
+  else:
+    sys.stdout.write(text)
+
+
 def machine() -> dict[str, Any]:
   return {
     "platform": platform.platform(),
@@ -291,12 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "results": results,
     "skipped": skipped,
   }
-  text = json.dumps(report, indent=1)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
-  else:
-    print(text)
+  write_report(report, args.out)
   return report
 
 

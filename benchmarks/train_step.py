@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from typing import Any
@@ -41,9 +40,9 @@ from optax_accum.demo.data import batches
 from optax_accum.demo.model import CharTransformer, token_loss
 
 try:
-  from benchmarks.microstep import fresh, machine
+  from benchmarks.microstep import fresh, machine, write_report
 except ImportError:  # run as a script: benchmarks/ is on sys.path
-  from microstep import fresh, machine  # type: ignore[no-redef]
+  from microstep import fresh, machine, write_report  # type: ignore[no-redef]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -193,12 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       f"{name:12s} {v['window_ms']:8.1f} ms/window  temp {v['temp_bytes'] / 2**20:7.1f} MiB",
       file=sys.stderr,
     )
-  text = json.dumps(report, indent=1)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
-  else:
-    print(text)
+  write_report(report, args.out)
   return report
 
 

@@ -19,25 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _steps import call, make_step
 
 import optax_accum
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def make_step(tx):
-  """One jitted microstep with traced ``weight`` and ``flush``."""
-
-  @jax.jit
-  def step(grads, state, params, weight, flush):
-    updates, state = tx.update(grads, state, params, weight=weight, flush=flush)
-    return updates, state, optax.apply_updates(params, updates)
-
-  return step
-
-
-def call(step, grads, state, params, weight=1.0, flush=False):
-  return step(grads, state, params, jnp.asarray(weight, jnp.float32), jnp.asarray(flush))
 
 
 def assert_exact_zeros(tree):

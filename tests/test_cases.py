@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _steps import call, make_step
 
 import optax_accum
 
@@ -47,21 +48,6 @@ def m2_data(n, seed=0, dtype=np.float32):
 
 def m2_params(dtype=jnp.float32):
   return {"theta": jnp.array([0.1, 0.2, -0.3], dtype), "b": jnp.array(0.05, dtype)}
-
-
-def make_step(tx):
-  """One jitted microstep: weight and flush are traced, so one compilation serves all."""
-
-  @jax.jit
-  def step(grads, state, params, weight, flush):
-    updates, state = tx.update(grads, state, params, weight=weight, flush=flush)
-    return updates, state, optax.apply_updates(params, updates)
-
-  return step
-
-
-def call(step, grads, state, params, weight=1.0, flush=False):
-  return step(grads, state, params, jnp.asarray(weight, jnp.float32), jnp.asarray(flush))
 
 
 def m2_microbatches(n_steps, size=4, seed=1):

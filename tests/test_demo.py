@@ -15,6 +15,7 @@ from flax import nnx
 
 from optax_accum.__main__ import main
 from optax_accum.demo import train as demo
+from optax_accum.demo.data import stdlib_lines
 from optax_accum.demo.model import token_loss
 
 
@@ -27,7 +28,7 @@ def _real_bytes(lines, seq_len):
 def test_train_equals_physical_batches_with_epoch_end_flush():
   # 20 training lines in microbatches of 8: [8, 8, 4 + 4 padding rows]. With every_k=2
   # the windows are [mb0, mb1] and [mb2], the second flushed at the epoch's end.
-  total = len(demo.stdlib_lines(max_files=1))
+  total = len(stdlib_lines(max_files=1))
   cfg = demo.DemoConfig(
     microbatch_size=8,
     every_k=2,

@@ -15,11 +15,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_accum import _numerics, _window
-from optax_accum._loss_scale import DynamicLossScale, LossScale, StaticLossScale
+from optax_accum import _checks, _numerics, _window
+from optax_accum._loss_scale import LossScale
 
 PyTree = Any
 
@@ -91,65 +90,6 @@ class AccumulationState(NamedTuple):
   growth_streak: jax.Array
   every_k: jax.Array
   inner_state: PyTree
-
-
-def _check_every_k(every_k: Any) -> Callable[[jax.Array], jax.Array] | int:
-  if callable(every_k):
-    return every_k
-  if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
-    raise TypeError(
-      f"every_k must be a positive int (microbatches per window) or a callable of "
-      f"num_updates, got {every_k!r}."
-    )
-  if every_k < 1:
-    raise ValueError(f"every_k must be >= 1 (microbatches per window), got {every_k}.")
-  return int(every_k)
-
-
-def _check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:
-  """Trace-time checks that grads match the accumulator (and params)."""
-  g_struct = jax.tree.structure(grads)
-  if g_struct != jax.tree.structure(acc):
-    raise ValueError(
-      "The gradient tree does not match the tree the optimizer state was initialized "
-      f"with.\n  grads: {g_struct}\n  state: {jax.tree.structure(acc)}\nCall tx.init on "
-      "params with the same structure as the gradients (e.g. the same nnx.Param filter)."
-    )
-  if params is not None and jax.tree.structure(params) != g_struct:
-    raise ValueError(
-      f"grads and params have different tree structures:\n  grads: {g_struct}\n  params: "
-      f"{jax.tree.structure(params)}\nPass the params the gradients were taken with."
-    )
-  trees = [acc] if params is None else [acc, params]
-  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
-  leaves = [jax.tree.leaves(t) for t in (grads, *trees)]
-  for name, g, *others in zip(names, *leaves, strict=True):
-    for other in others:
-      if np.shape(g) != np.shape(other):
-        raise ValueError(
-          f"Gradient leaf {name} has shape {np.shape(g)} but the params/state have "
-          f"{np.shape(other)}. Pass gradients of the same params the state was made for."
-        )
-    a = others[0]
-    if _numerics.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
-      raise TypeError(
-        f"Gradient leaf {name} is {g.dtype} but the accumulator is {a.dtype}, which "
-        "cannot hold it. Re-initialize the state from params of the gradients' dtype, or "
-        "set accumulator_dtype."
-      )
-
-
-def _check_fingerprint(state: AccumulationState, every_k_fp: int) -> None:
-  fp = state.every_k
-  if isinstance(fp, jax.core.Tracer):
-    return
-  fp = int(np.asarray(fp))
-  if fp != every_k_fp:
-    raise ValueError(
-      f"This optimizer state was created with every_k={fp} (-1 means a schedule) but the "
-      f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
-      "accumulate() with the same configuration, or start a fresh state with tx.init."
-    )
 
 
 def accumulate(
@@ -244,25 +184,8 @@ def accumulate(
     <https://huggingface.co/blog/gradient_accumulation>`_ (2024), on weighting by
     token counts; ``optax.MultiSteps`` for the transformation's shape.
   """
-  if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise TypeError(
-      f"inner must be an optax.GradientTransformation, got {inner!r}. Call the factory: "
-      "accumulate(optax.adam(1e-3), every_k=4), not accumulate(optax.adam, ...)."
-    )
-  every_k = _check_every_k(every_k)
+  every_k = _checks.options(inner, every_k, clip_norm, skip_nonfinite, loss_scale)
   every_k_fp = -1 if callable(every_k) else every_k
-  if clip_norm is not None:
-    if isinstance(clip_norm, (bool, str)) or not isinstance(clip_norm, (int, float, np.number)):
-      raise TypeError(f"clip_norm must be a number (a global L2 norm) or None, got {clip_norm!r}.")
-    if not 0 < float(clip_norm) < float("inf"):
-      raise ValueError(f"clip_norm must be finite and > 0 (a global L2 norm), got {clip_norm}.")
-  if not isinstance(skip_nonfinite, (bool, np.bool_)):
-    raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
-  if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
-    raise TypeError(
-      "loss_scale must be None, optax_accum.static_loss_scale(...) or "
-      f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
-    )
   if accumulator_dtype is not None:
     accumulator_dtype = jnp.dtype(accumulator_dtype)
   inner = optax.with_extra_args_support(inner)
@@ -316,8 +239,8 @@ def accumulate(
         f"accumulate's update needs its AccumulationState, got {type(state).__name__}. "
         "Pass the state returned by tx.init / tx.update."
       )
-    _check_fingerprint(state, every_k_fp)
-    _check_trees(grads, state.acc, params, accumulator_dtype)
+    _checks.fingerprint(state.every_k, every_k_fp)
+    _checks.trees(grads, state.acc, params, accumulator_dtype)
     no_microbatch = bool(extra_args.pop(_NO_MICROBATCH, False))
     apply_to_params = bool(extra_args.pop(_APPLY_TO_PARAMS, False))
     if apply_to_params and params is None:

@@ -1,0 +1,102 @@
+"""Trace-time validation of :func:`optax_accum.accumulate`'s arguments and inputs.
+
+Every check raises ``TypeError`` or ``ValueError`` with a message that says
+what to do; none of them costs anything in the compiled step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from optax_accum import _numerics
+from optax_accum._loss_scale import DynamicLossScale, StaticLossScale
+
+PyTree = Any
+
+
+def options(
+  inner: Any, every_k_arg: Any, clip_norm: Any, skip_nonfinite: Any, loss_scale: Any
+) -> Callable[[jax.Array], jax.Array] | int:
+  """Validates ``accumulate``'s configuration; returns the validated ``every_k``."""
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise TypeError(
+      f"inner must be an optax.GradientTransformation, got {inner!r}. Call the factory: "
+      "accumulate(optax.adam(1e-3), every_k=4), not accumulate(optax.adam, ...)."
+    )
+  if clip_norm is not None:
+    if isinstance(clip_norm, (bool, str)) or not isinstance(clip_norm, (int, float, np.number)):
+      raise TypeError(f"clip_norm must be a number (a global L2 norm) or None, got {clip_norm!r}.")
+    if not 0 < float(clip_norm) < float("inf"):
+      raise ValueError(f"clip_norm must be finite and > 0 (a global L2 norm), got {clip_norm}.")
+  if not isinstance(skip_nonfinite, (bool, np.bool_)):
+    raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
+  if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+    raise TypeError(
+      "loss_scale must be None, optax_accum.static_loss_scale(...) or "
+      f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
+    )
+  return every_k(every_k_arg)
+
+
+def every_k(k: Any) -> Callable[[jax.Array], jax.Array] | int:
+  """The validated window length: a callable schedule, or an int >= 1."""
+  if callable(k):
+    return k
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+    raise TypeError(
+      f"every_k must be a positive int (microbatches per window) or a callable of "
+      f"num_updates, got {k!r}."
+    )
+  if k < 1:
+    raise ValueError(f"every_k must be >= 1 (microbatches per window), got {k}.")
+  return int(k)
+
+
+def trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:
+  """Trace-time checks that grads match the accumulator (and params)."""
+  g_struct = jax.tree.structure(grads)
+  if g_struct != jax.tree.structure(acc):
+    raise ValueError(
+      "The gradient tree does not match the tree the optimizer state was initialized "
+      f"with.\n  grads: {g_struct}\n  state: {jax.tree.structure(acc)}\nCall tx.init on "
+      "params with the same structure as the gradients (e.g. the same nnx.Param filter)."
+    )
+  if params is not None and jax.tree.structure(params) != g_struct:
+    raise ValueError(
+      f"grads and params have different tree structures:\n  grads: {g_struct}\n  params: "
+      f"{jax.tree.structure(params)}\nPass the params the gradients were taken with."
+    )
+  trees = [acc] if params is None else [acc, params]
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+  leaves = [jax.tree.leaves(t) for t in (grads, *trees)]
+  for name, g, *others in zip(names, *leaves, strict=True):
+    for other in others:
+      if np.shape(g) != np.shape(other):
+        raise ValueError(
+          f"Gradient leaf {name} has shape {np.shape(g)} but the params/state have "
+          f"{np.shape(other)}. Pass gradients of the same params the state was made for."
+        )
+    a = others[0]
+    if _numerics.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
+      raise TypeError(
+        f"Gradient leaf {name} is {g.dtype} but the accumulator is {a.dtype}, which "
+        "cannot hold it. Re-initialize the state from params of the gradients' dtype, or "
+        "set accumulator_dtype."
+      )
+
+
+def fingerprint(fp: Any, every_k_fp: int) -> None:
+  """Raises if a concrete state fingerprint ``fp`` differs from the configuration's."""
+  if isinstance(fp, jax.core.Tracer):
+    return
+  fp = int(np.asarray(fp))
+  if fp != every_k_fp:
+    raise ValueError(
+      f"This optimizer state was created with every_k={fp} (-1 means a schedule) but the "
+      f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
+      "accumulate() with the same configuration, or start a fresh state with tx.init."
+    )

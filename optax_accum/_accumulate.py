@@ -92,6 +92,11 @@ class AccumulationState(NamedTuple):
   inner_state: PyTree
 
 
+# The fields that hold the open window (one device's share of it under shard_map):
+# reset at every boundary, emptied by `discard`, stacked per device by `stack_windows`.
+WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight")
+
+
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: int | Callable[[jax.Array], Any],

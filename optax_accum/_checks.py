@@ -42,18 +42,20 @@ def options(
   return every_k(every_k_arg)
 
 
+def positive_int(value: Any, name: str, meaning: str) -> int:
+  """``int(value)`` for an integer >= 1 (not a bool); a clear TypeError or ValueError otherwise."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a positive int ({meaning}), got {value!r}.")
+  if value < 1:
+    raise ValueError(f"{name} must be >= 1 ({meaning}), got {value}.")
+  return int(value)
+
+
 def every_k(k: Any) -> Callable[[jax.Array], jax.Array] | int:
   """The validated window length: a callable schedule, or an int >= 1."""
   if callable(k):
     return k
-  if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-    raise TypeError(
-      f"every_k must be a positive int (microbatches per window) or a callable of "
-      f"num_updates, got {k!r}."
-    )
-  if k < 1:
-    raise ValueError(f"every_k must be >= 1 (microbatches per window), got {k}.")
-  return int(k)
+  return positive_int(k, "every_k", "microbatches per window, or a callable of num_updates")
 
 
 def trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:

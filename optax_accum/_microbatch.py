@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _numerics
+from optax_accum import _checks, _numerics
 
 PyTree = Any
 
@@ -61,7 +61,7 @@ def split_batch(batch: PyTree, num_microbatches: int, *, strided: bool = True) -
     Array([[0, 1, 2],
            [3, 4, 5]], dtype=int32)
   """
-  k = _check_num_microbatches(num_microbatches)
+  k = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
   paths_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not paths_leaves:
     raise ValueError("The batch has no array leaves to split into microbatches.")
@@ -106,14 +106,6 @@ def _contiguous_sharding(x: jax.Array) -> Any:
   if not spec or spec[0] is None:
     return None
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
-
-
-def _check_num_microbatches(num_microbatches: Any) -> int:
-  if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, (int, np.integer)):
-    raise TypeError(f"num_microbatches must be a positive int, got {num_microbatches!r}.")
-  if num_microbatches < 1:
-    raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}.")
-  return int(num_microbatches)
 
 
 def _zeros_acc(tree: PyTree, override: Any = None) -> PyTree:
@@ -219,7 +211,7 @@ def microbatched_value_and_grad(
     <https://huggingface.co/blog/gradient_accumulation>`_ (2024), on weighting
     by token counts.
   """
-  k_total = _check_num_microbatches(num_microbatches)
+  k_total = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
   if aux_mode not in _AUX_MODES:
     raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
   if accumulator_dtype is not None:

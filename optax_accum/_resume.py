@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum._sharding import map_states, map_window, state_shardings
-from optax_accum._state import find_states
+from optax_accum._sharding import state_shardings
+from optax_accum._state import find_states, map_states, map_window
 
 PyTree = Any
 

@@ -33,16 +33,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_accum._accumulate import AccumulationState
+from optax_accum._state import map_states, map_window
 
 PyTree = Any
-
-# Fields of AccumulationState that hold one device's share of the open window.
-WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight")
-
-
-def _is_state(x: Any) -> bool:
-  return isinstance(x, AccumulationState)
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -154,29 +147,6 @@ def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     True
   """
   return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
-
-
-def map_states(fn, opt_state: PyTree, other=None) -> PyTree:
-  """Applies ``fn(state)`` to every AccumulationState; ``other(leaf)`` to other leaves."""
-
-  def visit(x):
-    if _is_state(x):
-      return fn(x)
-    return x if other is None else other(x)
-
-  return jax.tree.map(visit, opt_state, is_leaf=_is_state)
-
-
-def map_window(fn, state: AccumulationState, rest=None) -> AccumulationState:
-  fields = {}
-  for name, value in state._asdict().items():
-    if name in WINDOW_FIELDS:
-      fields[name] = jax.tree.map(fn, value)
-    elif rest is not None:
-      fields[name] = jax.tree.map(rest, value)
-    else:
-      fields[name] = value
-  return AccumulationState(**fields)
 
 
 def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_accum._accumulate import AccumulationState
+from optax_accum._accumulate import WINDOW_FIELDS, AccumulationState
 
 PyTree = Any
 
@@ -57,6 +57,30 @@ def find_state(tree: PyTree) -> AccumulationState:
       "that contains a single optax_accum.accumulate (or the sub-state you mean)."
     )
   return found[0]
+
+
+def map_states(fn, opt_state: PyTree, other=None) -> PyTree:
+  """Applies ``fn(state)`` to every AccumulationState; ``other(leaf)`` to other leaves."""
+
+  def visit(x):
+    if _is_state(x):
+      return fn(x)
+    return x if other is None else other(x)
+
+  return jax.tree.map(visit, opt_state, is_leaf=_is_state)
+
+
+def map_window(fn, state: AccumulationState, rest=None) -> AccumulationState:
+  """Applies ``fn`` to the leaves of the open window's fields; ``rest`` to the others."""
+  fields = {}
+  for name, value in state._asdict().items():
+    if name in WINDOW_FIELDS:
+      fields[name] = jax.tree.map(fn, value)
+    elif rest is not None:
+      fields[name] = jax.tree.map(rest, value)
+    else:
+      fields[name] = value
+  return AccumulationState(**fields)
 
 
 class Metrics(NamedTuple):
@@ -170,13 +194,8 @@ def _zeros_like(tree: PyTree) -> PyTree:
 
 
 def _reset_window(s: AccumulationState) -> AccumulationState:
-  return s._replace(
-    mini_step=_zeros_like(s.mini_step),
-    acc=_zeros_like(s.acc),
-    weight_sum=_zeros_like(s.weight_sum),
-    value_sum=_zeros_like(s.value_sum),
-    value_weight=_zeros_like(s.value_weight),
-  )
+  zeros = {name: _zeros_like(getattr(s, name)) for name in WINDOW_FIELDS}
+  return s._replace(mini_step=_zeros_like(s.mini_step), **zeros)
 
 
 def discard(opt_state: PyTree) -> PyTree:
@@ -205,6 +224,4 @@ def discard(opt_state: PyTree) -> PyTree:
     >>> int(optax_accum.metrics(state).mini_step), float(optax_accum.metrics(state).pending_weight)
     (0, 0.0)
   """
-  return jax.tree.map(
-    lambda x: _reset_window(x) if _is_state(x) else x, opt_state, is_leaf=_is_state
-  )
+  return map_states(_reset_window, opt_state)

@@ -263,8 +263,7 @@ def accumulate(
       v = jnp.asarray(value)
       if v.ndim != 0:
         raise ValueError(f"value must be the scalar loss of the microbatch, got shape {v.shape}.")
-      v = v.astype(value_sum.dtype)
-      value_sum = value_sum + jnp.where(w != 0, w * v, jnp.zeros_like(v))
+      value_sum = _numerics.weighted_add(value_sum, v, w)
       value_weight = value_weight + w
     step = jnp.zeros((), jnp.int32) if no_microbatch else jnp.ones((), jnp.int32)
     mini_step = state.mini_step + step

@@ -2,57 +2,55 @@
 
 Wrap any Optax optimizer with :func:`accumulate`; pass each microbatch's
 gradient with its ``weight`` (examples or unmasked tokens); get exactly the
-update one physical batch would give.
+update one physical batch would give. :func:`update_and_apply` is the fastest
+train step. Public submodules: :mod:`optax_accum.sharding` (scale-out and
+checkpoints), :mod:`optax_accum.testing` (pre-flight checks and test tools),
+:mod:`optax_accum.flax` (needs the ``flax`` extra). docs/design.md maps the code.
 """
 
-from optax_accum._accumulate import AccumulationState, accumulate, flush
-from optax_accum._loss_scale import (
-  DynamicLossScale,
-  StaticLossScale,
-  dynamic_loss_scale,
-  static_loss_scale,
-)
-from optax_accum._microbatch import microbatched_value_and_grad, split_batch
-from optax_accum._resume import abstract_state, check_compatible
-from optax_accum._scaled_grad import scaled_value_and_grad
-from optax_accum._sharding import (
-  count_collectives,
-  init_sharded,
-  local_state,
-  stack_windows,
-  stacked_state,
-  state_shardings,
-  window_specs,
-)
-from optax_accum._state import Metrics, discard, get_loss_scale, metrics
-from optax_accum._train_step import apply_if_updated, update_and_apply
+from typing import Any
 
-__version__ = "0.1.0"
+from optax_accum import _deprecated
+from optax_accum import sharding as sharding
+from optax_accum._accumulate import accumulate
+from optax_accum._loss_scale import dynamic_loss_scale, static_loss_scale
+from optax_accum._microbatch import microbatched_value_and_grad, split_batch
+from optax_accum._scaled_grad import scaled_value_and_grad
+from optax_accum._state import (
+  AccumulationState,
+  Metrics,
+  discard,
+  flush,
+  get_loss_scale,
+  metrics,
+)
+from optax_accum._train_step import update_and_apply
+
+__version__ = "0.2.0"
 
 __all__ = [
   "AccumulationState",
-  "DynamicLossScale",
   "Metrics",
-  "StaticLossScale",
-  "abstract_state",
   "accumulate",
-  "apply_if_updated",
-  "check_compatible",
-  "count_collectives",
   "discard",
   "dynamic_loss_scale",
   "flush",
   "get_loss_scale",
-  "init_sharded",
-  "local_state",
   "metrics",
   "microbatched_value_and_grad",
   "scaled_value_and_grad",
   "split_batch",
-  "stack_windows",
-  "stacked_state",
-  "state_shardings",
   "static_loss_scale",
   "update_and_apply",
-  "window_specs",
 ]
+
+
+def __getattr__(name: str) -> Any:
+  """``optax_accum.testing`` on first use (PEP 562), and the deprecated old names."""
+  if name == "testing":
+    import importlib
+
+    return importlib.import_module("optax_accum.testing")
+  if name in _deprecated.MOVED:
+    return _deprecated.lookup(name)
+  raise AttributeError(f"module 'optax_accum' has no attribute {name!r}")

@@ -18,21 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_accum import _checks
+
 # The scale lives in a float32 state: anything above this would be inf there.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def _number(owner: str, name: str, x: object) -> float:
-  """``float(x)`` for a real Python/NumPy number; a clear TypeError otherwise."""
-  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-    raise TypeError(f"{owner}: {name} must be a number, got {x!r}.")
-  return float(x)
-
-
-def _check(owner: str, checks: list[tuple[bool, str]]) -> None:
-  for ok, message in checks:
-    if not ok:
-      raise ValueError(f"{owner}: {message}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +48,8 @@ class StaticLossScale:
   value: float
 
   def __post_init__(self):
-    value = _number("static_loss_scale", "value", self.value)
-    _check(
+    value = _checks.number("static_loss_scale", "value", self.value)
+    _checks.require(
       "static_loss_scale",
       [(0 < value <= _FLOAT32_MAX, f"value must be > 0 and finite in float32, got {value}")],
     )
@@ -132,9 +121,9 @@ class DynamicLossScale:
     owner = "dynamic_loss_scale"
     names = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
     names += ("min_scale", "max_scale")
-    v = {n: _number(owner, n, getattr(self, n)) for n in names}
+    v = {n: _checks.number(owner, n, getattr(self, n)) for n in names}
     finite = _FLOAT32_MAX  # the scale is stored in float32
-    _check(
+    _checks.require(
       owner,
       [
         (0 < v["init_scale"] <= finite, "init_scale must be > 0 and finite in float32"),

@@ -263,7 +263,7 @@ def microbatched_value_and_grad(
         w = jax.tree.leaves(mb)[0].shape[0]
       else:
         w = weight_fn(mb)
-      return loss, aux, new_state, g, _numerics.check_weight(w, "weight_fn(microbatch)")
+      return loss, aux, new_state, g, _checks.weight(w, "weight_fn(microbatch)")
 
     # Trace one microbatch abstractly to size the carry (no compute is staged).
     loss_s, aux_s, _, _, _ = jax.eval_shape(grads_of, mb0, 0, state0)

@@ -1,9 +1,14 @@
-"""Numerics shared by every accumulation path: dtypes, weights, guarded division.
+"""The arithmetic of accumulation: dtypes, weighted sums, the one division, the boundary math.
 
 Both the across-step :func:`optax_accum.accumulate` and the in-step
 :func:`optax_accum.microbatched_value_and_grad` use these helpers, so the two
-paths round the same way. Nothing here zeros or selects by multiplying
-(``0 * nan == nan``): selection is ``jnp.where`` / ``lax.select``.
+paths round the same way. At a window boundary the sums are read as few times
+as possible: the global norm and the finite check come from one pass over the
+accumulated sum (:func:`norm_and_finite`), and the division by the weight sum
+(times the loss scale), the clip and the cast (:func:`window_mean`) are written
+so that XLA fuses them into the inner optimizer's first pass. Nothing here
+zeros or selects by multiplying (``0 * nan == nan``): selection is
+``jnp.where`` / ``lax.select``. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -12,12 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+import optax
 
 PyTree = Any
-
-# Counters are int32 and saturate here instead of wrapping to negative values.
-COUNTER_MAX = np.iinfo(np.int32).max
 
 
 def scalar_dtype() -> jnp.dtype:
@@ -77,53 +79,6 @@ def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
   return override
 
 
-def check_weight(weight: Any, name: str = "weight") -> jax.Array:
-  """Validates a microbatch weight and returns it as a scalar array.
-
-  Args:
-    weight: a non-negative scalar (Python number, NumPy or JAX array, traced or
-      not): the number of examples or unmasked tokens the microbatch's mean
-      loss averages over.
-    name: the argument's name for error messages.
-
-  Returns:
-    A 0-d array of :func:`scalar_dtype`.
-
-  Raises:
-    ValueError: if the weight is not a scalar, or is concrete and negative or
-      not finite.
-    TypeError: if the weight is complex or not numeric.
-  """
-  if weight is None or isinstance(weight, (str, bytes)):
-    raise TypeError(
-      f"{name} must be a number (examples or unmasked tokens), got {weight!r}. "
-      f"Pass e.g. {name}=mask.sum() or {name}=x.shape[0]."
-    )
-  if isinstance(weight, bool) or (
-    hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
-  ):
-    raise TypeError(
-      f"{name} must be a number (examples or unmasked tokens), got a boolean. "
-      f"Pass e.g. {name}=mask.sum()."
-    )
-  if np.ndim(weight) != 0:
-    raise ValueError(
-      f"{name} must be a scalar (the number of examples or unmasked tokens in this "
-      f"microbatch), got shape {np.shape(weight)}. Sum it first, e.g. {name}=mask.sum()."
-    )
-  dtype = jnp.result_type(weight)
-  if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-    raise TypeError(f"{name} must be a real number, got dtype {dtype}.")
-  if not isinstance(weight, jax.core.Tracer):
-    value = float(np.asarray(weight))
-    if not np.isfinite(value) or value < 0:
-      raise ValueError(
-        f"{name} must be finite and non-negative, got {value}. A microbatch with no "
-        f"real examples has {name}=0; a negative {name} has no meaning."
-      )
-  return jnp.asarray(weight).astype(scalar_dtype())
-
-
 def weighted_add(acc: PyTree, grads: PyTree, weight: jax.Array) -> PyTree:
   """Returns ``acc + weight * grads`` leafwise, in the accumulator's dtypes.
 
@@ -163,66 +118,112 @@ def all_finite(tree: PyTree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def saturating_increment(counter: jax.Array, pred: Any = True) -> jax.Array:
-  """``counter + 1`` where ``pred``, never past :data:`COUNTER_MAX`."""
-  bumped = jnp.where(counter >= COUNTER_MAX, counter, counter + jnp.ones_like(counter))
-  return jnp.where(pred, bumped, counter)
+def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Global L2 norm of ``g_sum / denom`` and whether every element of it is finite.
 
-
-def zeros_like_placed(x: jax.Array, dtype: Any) -> jax.Array:
-  """Zeros with ``x``'s shape and sharding in ``dtype``, also when traced under ``jit``.
-
-  Under ``jit`` ``jnp.zeros_like`` is a constant with no tie to ``x``, so the
-  compiler puts it on one device (or replicates it under ``jax.set_mesh``).
-  Selecting from ``x`` with an all-False mask ties the zeros to ``x``'s
-  sharding; XLA folds the select away, so nothing of ``x`` is read and a NaN in
-  ``x`` cannot leak (selected, not multiplied).
+  The common case reads ``g_sum`` once: ``sqrt(sum(g_sum**2)) / |denom|``. When
+  that bound is finite and below a quarter of the dtype's maximum, no element
+  of the mean can be Inf or NaN. Otherwise (a non-finite window, or a sum of
+  squares that overflowed) the exact check and norm of the guarded mean run, so
+  the result never differs from ``all_finite`` / ``optax.tree.norm`` of the mean
+  except by rounding of the norm.
   """
-  return jnp.where(jnp.zeros(jnp.shape(x), jnp.bool_), x.astype(dtype), jnp.zeros((), dtype))
-
-
-def ordered_zeros(like: PyTree, after: Any) -> PyTree:
-  """Exact zeros shaped like ``like`` that XLA computes only once ``after`` exists.
-
-  A buffer-reuse helper for branches of ``lax.cond``: zeros written with a plain
-  ``jnp.zeros_like`` depend on nothing, so XLA may not schedule them after the
-  last read of the buffer they overwrite and inserts a full copy instead; and
-  equal broadcasts of the same shape are merged into one, which costs a copy per
-  extra leaf. Here each leaf is ``broadcast(min(b + i + 1, i + 1) - (i + 1))``
-  with ``b = after.astype(int32)`` in ``{0, 1}``: exactly zero for any ``after``,
-  distinct per leaf, and data-dependent on ``after``.
-
-  Args:
-    like: a tree of arrays (or shape-dtype structs) to match.
-    after: a boolean scalar array; the zeros are ordered after it is computed.
-
-  Returns:
-    A tree like ``like`` of exact zeros in each leaf's dtype.
-  """
-  b = jnp.asarray(after).astype(jnp.int32)
-  leaves, treedef = jax.tree.flatten(like)
-  out = []
-  for i, x in enumerate(leaves):
-    k = jnp.int32(i + 1)
-    zero = jnp.minimum(b + k, k) - k
-    out.append(jnp.full_like(x, zero.astype(x.dtype)))  # keeps x's sharding
-  return jax.tree.unflatten(treedef, out)
-
-
-def read_token(tree: PyTree) -> jax.Array:
-  """A boolean scalar that depends on ``tree``'s values (reads one element).
-
-  Pass it as ``after`` to :func:`ordered_zeros` so that the zeros are written
-  only after whatever produced ``tree`` (and everything it read) has run. It
-  reads the first element of the smallest non-empty leaf, or, where that slice
-  is not allowed (a dimension sharded in ``jax.sharding.AxisType.Explicit``
-  mode), reduces that leaf.
-  """
-  leaves = sorted((x for x in jax.tree.leaves(tree) if np.size(x)), key=np.size)
+  leaves = jax.tree.leaves(g_sum)
   if not leaves:
-    return jnp.zeros((), jnp.bool_)
-  x = leaves[0]
-  try:
-    return x[(0,) * np.ndim(x)] == 0
-  except Exception:  # noqa: BLE001 - e.g. ShardingTypeError; the reduction always works
-    return jnp.any(x == 0)
+    return jnp.zeros((), denom.dtype), jnp.array(True)
+  sq = optax.tree.norm(g_sum, squared=True)
+  dtype = promote_types(sq.dtype, denom.dtype)
+  limit = min(float(jnp.finfo(x.dtype).max) for x in leaves) / 4
+  nonzero = denom != 0
+  safe = jnp.where(nonzero, denom, jnp.ones_like(denom)).astype(dtype)
+  absd = jnp.abs(safe)
+  bound = jnp.where(nonzero, jnp.sqrt(sq.astype(dtype)) / absd, jnp.zeros((), dtype))
+  fast = jnp.isfinite(bound) & (bound < jnp.asarray(limit, dtype))
+  for x in leaves:  # the divisor must not underflow in a narrow accumulator dtype
+    fast = fast & (safe.astype(x.dtype) != 0)
+
+  def exact(_):
+    # Per leaf, in its dtype: |g_i| / |d| <= max |g| / |d| survives rounding
+    # and max propagates NaN, so the mean is finite iff each ratio is. The norm
+    # is rescaled by max |g| so that its sum of squares cannot overflow.
+    finite = jnp.array(True)
+    bigs = []
+    for x in leaves:
+      big = jnp.max(jnp.abs(x))
+      d = jnp.abs(safe.astype(x.dtype)).astype(big.dtype)
+      finite = finite & (~nonzero | jnp.isfinite(big / d))
+      bigs.append(big.astype(dtype))
+    big = jnp.max(jnp.stack(bigs))
+    ratio = jnp.where(nonzero, big / absd, jnp.zeros((), dtype))
+    inv = jnp.ones((), dtype) / jnp.where(finite & (big > 0), big, jnp.ones((), dtype))
+    scaled = jax.tree.map(lambda x: x * inv.astype(x.dtype), g_sum)
+    norm = ratio * jnp.sqrt(optax.tree.norm(scaled, squared=True).astype(dtype))
+    not_finite = jnp.where(jnp.isnan(sq) | jnp.isnan(big), jnp.nan, jnp.inf).astype(dtype)
+    return jnp.where(finite, norm, not_finite), finite
+
+  # The constant True is built from `bound` so that it has the same device variance
+  # (shard_map with check_vma=True) as the exact branch's result.
+  return jax.lax.cond(fast, lambda _: (bound, jnp.isfinite(bound)), exact, None)
+
+
+def clip_factor(norm: jax.Array, max_norm: float) -> jax.Array:
+  """The scalar ``optax.clip_by_global_norm(max_norm)`` multiplies by, given the ``norm``.
+
+  1 below the threshold (so unclipped windows are bit-identical), else
+  ``max_norm / norm``. Clipped values may differ from optax's
+  ``(t / norm) * max_norm`` in the last bit.
+  """
+  return jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
+
+
+def window_mean(
+  g_sum: PyTree, denom: jax.Array, norm: jax.Array, clip_norm: float | None, like: PyTree
+) -> PyTree:
+  """The window mean as the inner optimizer receives it.
+
+  ``g_sum * (1 / denom)``, clipped to ``clip_norm`` given the pre-clip global
+  ``norm``, cast leafwise to the dtypes of ``like``; zeros where ``denom == 0``.
+  One scalar per window (the reciprocal of ``denom`` times the clip factor)
+  multiplies every element, so XLA fuses the mean into the inner optimizer's
+  passes instead of materializing it (it does not duplicate a division into its
+  consumers). For ``denom`` a power of two (a weight sum of 1, any ``2**k``
+  loss scale) this is the exact quotient; otherwise within 1 ulp of it.
+  """
+  nonzero = denom != 0
+  factor = jnp.where(nonzero, 1 / jnp.where(nonzero, denom, jnp.ones_like(denom)), 0)
+  if clip_norm is not None:
+    factor = factor * clip_factor(norm, clip_norm).astype(factor.dtype)
+
+  def scale(x):
+    return jnp.where(nonzero, x * factor.astype(x.dtype), jnp.zeros((), x.dtype))
+
+  return optax.tree.cast_like(jax.tree.map(scale, g_sum), like)
+
+
+def fits(
+  g_sum: PyTree, denom: jax.Array, norm: jax.Array, clip_norm: float | None, like: PyTree
+) -> jax.Array:
+  """Whether the (finite) window mean stays finite once cast to ``like``'s dtypes.
+
+  A narrower dtype (fp16, max 65504) can overflow in the cast, e.g. under a
+  loss scale below 1. No element exceeds the (clipped) global norm, so the
+  elements are read only when that bound is above the narrowest target's
+  maximum; float32 targets of a float32 accumulator cost nothing.
+  """
+  pairs = zip(jax.tree.leaves(like), jax.tree.leaves(g_sum), strict=True)
+  limits = [
+    float(jnp.finfo(t.dtype).max)
+    for t, a in pairs
+    if jnp.finfo(t.dtype).max < jnp.finfo(a.dtype).max
+  ]
+  if not limits:
+    return jnp.array(True)
+  bound = norm if clip_norm is None else jnp.minimum(norm, jnp.asarray(clip_norm, norm.dtype))
+
+  def exact(_):
+    return all_finite(window_mean(g_sum, denom, norm, clip_norm, like))
+
+  def fits_for_sure(_):  # True, with `bound`'s device variance (shard_map check_vma)
+    return jnp.ones_like(bound, dtype=jnp.bool_)
+
+  return jax.lax.cond(bound <= min(limits), fits_for_sure, exact, None)

@@ -34,24 +34,25 @@ def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
   Args:
     tx: any ``optax.GradientTransformation``.
     params: a tree of sharded ``jax.Array`` or ``jax.ShapeDtypeStruct`` with
-      ``sharding`` (see :func:`optax_accum.state_shardings`).
+      ``sharding`` (see :func:`optax_accum.sharding.state_shardings`).
 
   Returns:
     A tree of ``jax.ShapeDtypeStruct`` with the structure of the state: the
     shapes and dtypes of ``jax.eval_shape(tx.init, params)`` and the shardings
-    of :func:`optax_accum.state_shardings`.
+    of :func:`optax_accum.sharding.state_shardings`.
 
   Raises:
     TypeError: if a param has no sharding (a NumPy array, say) or a sharding
       from which no replicated sharding can be derived (as
-      :func:`optax_accum.state_shardings`).
+      :func:`optax_accum.sharding.state_shardings`).
 
   Examples:
     >>> import optax, optax_accum
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((8,), ('data',))
     >>> params = jax.device_put({'w': jnp.zeros(8)}, NamedSharding(mesh, P('data')))
-    >>> target = optax_accum.abstract_state(optax_accum.accumulate(optax.sgd(1.), 2), params)
+    >>> tx = optax_accum.accumulate(optax.sgd(1.), 2)
+    >>> target = optax_accum.sharding.abstract_state(tx, params)
     >>> target.acc['w'].sharding.spec
     P('data',)
   """
@@ -105,9 +106,9 @@ def check_compatible(
   restored values (for the fingerprint)::
 
     meta = checkpointer.metadata(path).item_metadata.tree
-    optax_accum.check_compatible(tx, params, meta)
-    state = checkpointer.restore(path, optax_accum.abstract_state(tx, params))
-    optax_accum.check_compatible(tx, params, state)
+    optax_accum.sharding.check_compatible(tx, params, meta)
+    state = checkpointer.restore(path, optax_accum.sharding.abstract_state(tx, params))
+    optax_accum.sharding.check_compatible(tx, params, state)
 
   Args:
     tx: the transformation to resume with.
@@ -116,7 +117,7 @@ def check_compatible(
     state: the restored state, or any tree of leaves with ``shape`` and
       ``dtype`` (``jax.ShapeDtypeStruct``, Orbax ``ArrayMetadata``; nested
       dicts and lists match NamedTuples and tuples by field name and index).
-    stacked: True for a state laid out by :func:`optax_accum.stack_windows`
+    stacked: True for a state laid out by :func:`optax_accum.sharding.stack_windows`
       (window sums with a leading device axis).
 
   Returns:
@@ -131,7 +132,7 @@ def check_compatible(
     >>> params = {'w': jnp.zeros(3)}
     >>> saved = optax_accum.accumulate(optax.sgd(1.0), every_k=4).init(params)
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=8)
-    >>> optax_accum.check_compatible(tx, params, saved)
+    >>> optax_accum.sharding.check_compatible(tx, params, saved)
     Traceback (most recent call last):
     ...
     ValueError: The restored optimizer state was written with every_k=4 (-1 means a schedule)

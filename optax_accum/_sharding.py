@@ -79,7 +79,7 @@ def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> mesh = jax.make_mesh((8,), ('data',))
     >>> params = jax.device_put({'w': jnp.zeros((8, 2))}, NamedSharding(mesh, P('data')))
     >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
-    >>> sh = optax_accum.state_shardings(tx, params)
+    >>> sh = optax_accum.sharding.state_shardings(tx, params)
     >>> sh.acc['w'].spec, sh.inner_state[0].mu['w'].spec, sh.mini_step.spec
     (P('data',), P('data',), P())
   """
@@ -142,7 +142,7 @@ def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> mesh = jax.make_mesh((4, 2), ('data', 'model'))
     >>> params = jax.device_put({'w': jnp.zeros((8, 4))}, NamedSharding(mesh, P('data')))
     >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
-    >>> state = optax_accum.init_sharded(tx, params)
+    >>> state = optax_accum.sharding.init_sharded(tx, params)
     >>> state.acc['w'].sharding == params['w'].sharding
     True
   """
@@ -171,7 +171,7 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   Examples:
     >>> import optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
-    >>> specs = optax_accum.window_specs(tx.init({'w': jnp.zeros(3)}), 'data')
+    >>> specs = optax_accum.sharding.window_specs(tx.init({'w': jnp.zeros(3)}), 'data')
     >>> specs.acc['w'], specs.weight_sum, specs.num_updates
     (P('data',), P('data',), P())
   """
@@ -214,7 +214,7 @@ def stack_windows(
     >>> import optax, optax_accum
     >>> mesh = jax.make_mesh((8,), ('data',))
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
-    >>> state = optax_accum.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
+    >>> state = optax_accum.sharding.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
     >>> state.acc['w'].shape, state.weight_sum.shape, state.mini_step.shape
     ((8, 3), (8,), ())
   """
@@ -256,8 +256,8 @@ def local_state(opt_state: PyTree) -> PyTree:
   Examples:
     >>> import optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
-    >>> block = optax_accum.stacked_state(tx.init({'w': jnp.zeros(3)}))
-    >>> block.acc['w'].shape, optax_accum.local_state(block).acc['w'].shape
+    >>> block = optax_accum.sharding.stacked_state(tx.init({'w': jnp.zeros(3)}))
+    >>> block.acc['w'].shape, optax_accum.sharding.local_state(block).acc['w'].shape
     ((1, 3), (3,))
   """
   return map_states(lambda s: map_window(lambda x: x[0], s), opt_state)
@@ -283,11 +283,11 @@ def stacked_state(opt_state: PyTree) -> PyTree:
     >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.make_mesh((8,), ('data',))
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
-    >>> state = optax_accum.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
-    >>> specs = optax_accum.window_specs(state, 'data')
+    >>> state = optax_accum.sharding.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
+    >>> specs = optax_accum.sharding.window_specs(state, 'data')
     >>> def body(s):
-    ...   s = optax_accum.local_state(s)  # acc['w']: [3] on each device
-    ...   return optax_accum.stacked_state(s)  # [1, 3] again
+    ...   s = optax_accum.sharding.local_state(s)  # acc['w']: [3] on each device
+    ...   return optax_accum.sharding.stacked_state(s)  # [1, 3] again
     >>> out = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs)(state)
     >>> out.acc['w'].shape, out.weight_sum.shape  # one block per device
     ((8, 3), (8,))
@@ -331,7 +331,7 @@ def count_collectives(hlo_text: str) -> dict[str, collections.Counter]:
     >>> f = jax.shard_map(lambda x: jax.lax.psum(x, 'data'), mesh=mesh,
     ...                   in_specs=P('data'), out_specs=P())
     >>> x = jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P('data')))
-    >>> c = optax_accum.count_collectives(jax.jit(f).lower(x).compile().as_text())
+    >>> c = optax_accum.testing.count_collectives(jax.jit(f).lower(x).compile().as_text())
     >>> c['outside']['all-reduce'], c['in_conditional']['all-reduce']
     (1, 0)
   """

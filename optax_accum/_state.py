@@ -1,11 +1,12 @@
-"""Finding :class:`AccumulationState` inside nested optimizer states.
+"""The accumulation state and every operation on it: find, map, metrics, discard, flush.
 
-The state is found by its class, never by a field name (``count``,
-``inner_state`` and ``mini_step`` occur in other optax states too), through
-``optax.chain``, ``optax.masked``, ``optax.multi_transform``,
-``optax.inject_hyperparams`` and Flax's ``nnx.Optimizer.opt_state`` (whose
-leaves are ``OptArray`` variables; they are unwrapped here without importing
-flax).
+:class:`AccumulationState` is what :func:`optax_accum.accumulate` keeps between
+calls. It is found inside nested optimizer states by its class, never by a
+field name (``count``, ``inner_state`` and ``mini_step`` occur in other optax
+states too), through ``optax.chain``, ``optax.masked``,
+``optax.multi_transform``, ``optax.inject_hyperparams`` and Flax's
+``nnx.Optimizer.opt_state`` (whose leaves are ``OptArray`` variables; they are
+unwrapped here without importing flax). See docs/design.md for the module map.
 """
 
 from __future__ import annotations
@@ -14,10 +15,79 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from optax_accum._accumulate import WINDOW_FIELDS, AccumulationState
+from optax_accum import _numerics
 
 PyTree = Any
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate`. Every field is an array; scalars are 0-d.
+
+  The structure is the same in every configuration (with or without a loss
+  scale, clipping or a schedule), so checkpoints stay compatible.
+
+  Attributes:
+    mini_step: int32, microbatches accumulated in the current window (the
+      window position; 0 right after a boundary).
+    acc: the weighted gradient sum ``sum_i w_i * g_i`` of the current window,
+      a tree like the params in the accumulator dtype (float32 by default).
+      With a loss scale the ``g_i`` are gradients of the *scaled* loss.
+    weight_sum: float32 (float64 under x64), ``sum_i w_i`` of the window.
+    value_sum: weighted sum ``sum_i w_i * value_i`` of the ``value`` extra
+      args (the microbatch losses) passed in this window.
+    value_weight: the weight sum of the microbatches that passed ``value``.
+    num_microbatches: int32, microbatches consumed since ``init`` (flushes are
+      not counted): the data position to resume from.
+    num_updates: int32, windows applied (the inner optimizer ran).
+    num_skipped: int32, windows skipped because their mean was not finite.
+    updated: bool, whether the last call applied an update.
+    window_loss: the weighted mean ``value`` of the last closed window (NaN
+      until a window with ``value`` closes).
+    grad_norm: global L2 norm of the last closed window's unscaled mean
+      gradient, before clipping (NaN until a window closes; inf or NaN for a
+      skipped window).
+    loss_scale: float32, the scale to multiply the loss by in the current
+      window (1.0 without a loss scale).
+    growth_streak: int32, consecutive applied windows since the scale last
+      changed (dynamic loss scale only; 0 otherwise).
+    every_k: int32 fingerprint of the configuration: the window length, or -1
+      when ``every_k`` is a schedule. Checked on every concrete call.
+    inner_state: the inner optimizer's state; changes only on applied windows.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=4)
+    >>> params = {'w': jnp.zeros(3)}
+    >>> state = tx.init(params)
+    >>> state.acc['w'].dtype, int(state.every_k), float(state.loss_scale)
+    (dtype('float32'), 4, 1.0)
+    >>> _, state = tx.update({'w': jnp.ones(3)}, state, params, weight=2)
+    >>> int(state.mini_step), float(state.weight_sum), state.acc['w']  # acc = 2 * g
+    (1, 2.0, Array([2., 2., 2.], dtype=float32))
+  """
+
+  mini_step: jax.Array
+  acc: PyTree
+  weight_sum: jax.Array
+  value_sum: jax.Array
+  value_weight: jax.Array
+  num_microbatches: jax.Array
+  num_updates: jax.Array
+  num_skipped: jax.Array
+  updated: jax.Array
+  window_loss: jax.Array
+  grad_norm: jax.Array
+  loss_scale: jax.Array
+  growth_streak: jax.Array
+  every_k: jax.Array
+  inner_state: PyTree
+
+
+# The fields that hold the open window (one device's share of it under shard_map):
+# reset at every boundary, emptied by `discard`, stacked per device by `stack_windows`.
+WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight")
 
 
 def _is_state(x: Any) -> bool:
@@ -225,3 +295,73 @@ def discard(opt_state: PyTree) -> PyTree:
     (0, 0.0)
   """
   return map_states(_reset_window, opt_state)
+
+
+def flush(
+  tx: optax.GradientTransformation, state: PyTree, params: PyTree, **extra_args: Any
+) -> tuple[PyTree, PyTree]:
+  """Closes the current (possibly incomplete) window without a new gradient.
+
+  The window mean divides by the weight accumulated so far (e.g. by 2 for the
+  last two examples of an epoch, not by ``every_k``). The flush is not counted
+  as a microbatch. Flushing an empty window is a no-op: zero updates, inner
+  state unchanged, nothing counted.
+
+  Args:
+    tx: :func:`optax_accum.accumulate`'s transformation, or any transformation
+      containing it (an ``optax.chain``, say); other members see an all-zero
+      gradient.
+    state: the optimizer state of ``tx``.
+    params: the current params (a tree of arrays); zero gradients of their
+      shapes and dtypes are fed through ``tx``.
+    **extra_args: forwarded to ``tx.update`` (and so to the inner optimizer).
+      The inner optimizer's ``value`` is the weighted mean of the ``value`` args
+      passed with the window's microbatches; a ``value`` passed here is
+      ignored (the flush carries no microbatch).
+
+  Returns:
+    ``(updates, new_state)``, exactly like ``tx.update``: apply the updates
+    with ``optax.apply_updates``.
+
+  Raises:
+    ValueError: if ``state`` holds no :class:`AccumulationState` (flushing a
+      plain optimizer would run a real step on zero gradients), or several.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
+    >>> params = {'w': jnp.zeros(())}
+    >>> state = tx.init(params)
+    >>> for y in (9.0, 10.0):  # two microbatches of a 4-window, gradients -y
+    ...   _, state = tx.update({'w': jnp.asarray(-y)}, state, params)
+    >>> updates, state = optax_accum.flush(tx, state, params)
+    >>> updates['w']  # the mean of the two, not divided by 4
+    Array(9.5, dtype=float32)
+  """
+  return flush_with(tx.update, state, params, extra_args)
+
+
+def flush_with(
+  update: Any, state: PyTree, params: PyTree, extra_args: dict[str, Any]
+) -> tuple[PyTree, PyTree]:
+  """:func:`flush` through ``update(grads, state, params, **kwargs) -> (out, state)``.
+
+  ``update`` is ``tx.update``, or the fused entry point (``out`` then is the new
+  params). The flush is a zero-weight microbatch that closes the window
+  (``weight=0, flush=True``), passes the window's mean loss as ``value`` (a
+  zero-weight value adds nothing to the window's loss), and afterwards puts
+  ``num_microbatches`` back: it consumed no data.
+  """
+  s = find_state(state) if find_states(state) else None
+  if s is None:
+    raise ValueError(
+      f"flush needs the state of optax_accum.accumulate (or of a chain containing it), got "
+      f"a {type(state).__name__} without one: flushing a plain optimizer would run a real "
+      "step on zero gradients."
+    )
+  extra_args = {k: v for k, v in extra_args.items() if k != "value"}
+  value = _numerics.guarded_divide(s.value_sum, s.value_weight)
+  grads = optax.tree.zeros_like(params)
+  out, new_state = update(grads, state, params, weight=0, flush=True, value=value, **extra_args)
+  position = s.num_microbatches
+  return out, map_states(lambda n: n._replace(num_microbatches=position), new_state)

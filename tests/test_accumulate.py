@@ -183,14 +183,15 @@ def test_every_k_1_is_the_inner_optimizer(opt):
     u, s, p = call(step, grad_fn(p, x, y), s, p, weight=1.0)
     v, inner_s = inner_step(grad_fn(q, x, y), inner_s, q)
     q = optax.apply_updates(q, v)
-    if opt == "adamw":
-      # The inner gets the gradient bitwise (test above), but XLA may fuse adamw's
-      # weight-decay arithmetic differently inside accumulate's cond: 1 ulp apart.
-      chex.assert_trees_all_close(u, v, rtol=3e-7, atol=0)
-    else:
+    if opt == "sgd":
       chex.assert_trees_all_equal(u, v)
-  chex.assert_trees_all_close(s.inner_state, inner_s, rtol=3e-7, atol=0)
-  chex.assert_trees_all_close(p, q, rtol=3e-7, atol=0)
+    else:
+      # The inner gets the gradient bitwise (test above), but the window mean is
+      # fused into adam's passes, and XLA contracts the arithmetic of that fused
+      # loop differently (FMA): a few ulp, compounding over the steps.
+      chex.assert_trees_all_close(u, v, rtol=1e-6, atol=0)
+  chex.assert_trees_all_close(s.inner_state, inner_s, rtol=1e-6, atol=0)
+  chex.assert_trees_all_close(p, q, rtol=1e-6, atol=0)
 
 
 # ----------------------------------------------------------------------------- tree shapes
@@ -681,12 +682,12 @@ def test_restored_state_with_other_every_k_raises():
 
 def test_restored_state_with_other_every_k_under_jit_needs_check_compatible():
   # Under jit the state is traced, so update() cannot read the fingerprint; the documented
-  # guard for restored states is optax_accum.check_compatible, which reads it concretely.
+  # guard for restored states is optax_accum.sharding.check_compatible, which reads it concretely.
   p = {"w": jnp.zeros(2)}
   s = optax_accum.accumulate(optax.sgd(1.0), every_k=4).init(p)
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
   with pytest.raises(ValueError, match="Resume with the same every_k"):
-    optax_accum.check_compatible(tx, p, s)
+    optax_accum.sharding.check_compatible(tx, p, s)
 
 
 def test_traced_negative_weight_subtracts_its_microbatch():

@@ -1,4 +1,4 @@
-"""Reference cases C1-C12 of /work/shared/cases/README.md, one test each.
+"""Reference cases C1-C12 (reported accumulation faults with their correct values), one test each.
 
 Every expected value is computed independently of ``accumulate``: a number
 worked out by hand from the case, one ``jax.grad`` over the concatenated batch

@@ -102,14 +102,14 @@ def test_resume_mid_window_is_bitwise_equal(tmp_path):
 
   # Run A: straight through.
   params_a, state_a, updates_a = run(
-    step, params0, optax_accum.init_sharded(tx, params0), batches, batch_sharding
+    step, params0, optax_accum.sharding.init_sharded(tx, params0), batches, batch_sharding
   )
 
   # Run B: save after microbatch 6, mid-window.
   params_b, state_b, updates_b = run(
     step,
     params0,
-    optax_accum.init_sharded(tx, params0),
+    optax_accum.sharding.init_sharded(tx, params0),
     batches[:SAVE_AFTER],
     batch_sharding,
   )
@@ -122,12 +122,12 @@ def test_resume_mid_window_is_bitwise_equal(tmp_path):
     "params": jax.tree.map(
       lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params0
     ),
-    "opt_state": optax_accum.abstract_state(fresh_tx, params0),
+    "opt_state": optax_accum.sharding.abstract_state(fresh_tx, params0),
   }
-  optax_accum.check_compatible(fresh_tx, params0, metadata(tmp_path / "ckpt")["opt_state"])
+  optax_accum.sharding.check_compatible(fresh_tx, params0, metadata(tmp_path / "ckpt")["opt_state"])
   restored = restore(tmp_path / "ckpt", target)
   params_b = restored["params"]
-  state_b = optax_accum.check_compatible(fresh_tx, params0, restored["opt_state"])
+  state_b = optax_accum.sharding.check_compatible(fresh_tx, params0, restored["opt_state"])
   assert isinstance(state_b, optax_accum.AccumulationState)
   assert state_b.acc["theta"].sharding.is_equivalent_to(params0["theta"].sharding, 1)
   resume_at = int(optax_accum.metrics(state_b).num_microbatches)
@@ -149,14 +149,18 @@ def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
   tx = make_tx(axis_name=AXIS)
   params0 = {"theta": jnp.array([0.5, -1.0, 2.0]), "b": jnp.zeros(())}
   params = jax.device_put(params0, NamedSharding(mesh, P()))
-  opt_state = optax_accum.stack_windows(tx.init(params0), mesh, AXIS)
-  specs = optax_accum.window_specs(opt_state, AXIS)
+  opt_state = optax_accum.sharding.stack_windows(tx.init(params0), mesh, AXIS)
+  specs = optax_accum.sharding.window_specs(opt_state, AXIS)
 
   def body(params, opt_state, batch):
-    opt_state = optax_accum.local_state(opt_state)
+    opt_state = optax_accum.sharding.local_state(opt_state)
     grads = jax.grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params, weight=jnp.sum(batch["mask"]))
-    return optax.apply_updates(params, updates), optax_accum.stacked_state(opt_state), updates
+    return (
+      optax.apply_updates(params, updates),
+      optax_accum.sharding.stacked_state(opt_state),
+      updates,
+    )
 
   step = jax.jit(
     jax.shard_map(
@@ -176,8 +180,8 @@ def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_b
   )
   del state_b
-  optax_accum.check_compatible(tx, params0, metadata(tmp_path / "ckpt"), stacked=True)
-  state_b = optax_accum.check_compatible(
+  optax_accum.sharding.check_compatible(tx, params0, metadata(tmp_path / "ckpt"), stacked=True)
+  state_b = optax_accum.sharding.check_compatible(
     tx, params0, restore(tmp_path / "ckpt", target), stacked=True
   )
   assert state_b.acc["theta"].shape == (N_DEV, 3)
@@ -185,7 +189,7 @@ def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
   params_b, state_b, rest = run(step, params_b, state_b, batches[SAVE_AFTER:], batch_sharding)
   chex.assert_trees_all_equal((params_b, state_b, updates_b + rest), (params_a, state_a, updates_a))
   with pytest.raises(ValueError, match="acc"):  # a stacked state is not a plain one
-    optax_accum.check_compatible(tx, params0, state_b)
+    optax_accum.sharding.check_compatible(tx, params0, state_b)
 
 
 @pytest.fixture
@@ -204,10 +208,10 @@ def test_restore_into_another_every_k_raises(mid_window_checkpoint):
   path, params = mid_window_checkpoint
   other = make_tx(every_k=8)
   # Shapes and dtypes agree, so the metadata check passes; the fingerprint does not.
-  optax_accum.check_compatible(other, params, metadata(path))
+  optax_accum.sharding.check_compatible(other, params, metadata(path))
   state = restore(path, jax.eval_shape(other.init, params))
   with pytest.raises(ValueError, match=r"every_k=4 .* every_k=8"):
-    optax_accum.check_compatible(other, params, state)
+    optax_accum.sharding.check_compatible(other, params, state)
   grads = jax.tree.map(jnp.zeros_like, params)
   with pytest.raises(ValueError, match="every_k=4"):  # update() refuses it too
     other.update(grads, state, params)
@@ -219,7 +223,7 @@ def test_restore_into_another_accumulator_dtype_raises(mid_window_checkpoint):
   with pytest.raises(
     ValueError, match=r"acc\.theta: restored float32\[3\], tx.init gives bfloat16"
   ):
-    optax_accum.check_compatible(other, params, metadata(path))
+    optax_accum.sharding.check_compatible(other, params, metadata(path))
   # Why the metadata is checked: Orbax casts to the target's dtype without a word.
   state = restore(path, jax.eval_shape(other.init, params))
   assert state.acc["theta"].dtype == jnp.bfloat16

@@ -153,6 +153,57 @@ def test_nnx_discard_drops_the_open_window():
   assert int(optax_accum.flax.num_updates(opt)) == 2
 
 
+def _fused_accumulated(windows, *, flush_last=False, discard_after=None):
+  """The same windows through optax_accum.flax.Optimizer (the fused path) under nnx.jit."""
+  model = MLP(nnx.Rngs(0))
+  tx = optax_accum.accumulate(_inner(), every_k=K)
+  opt = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
+  traces = []
+
+  @nnx.jit
+  def step(model, opt, x, y, mask):
+    traces.append(1)
+    assert opt.update(model, nnx.grad(_nnx_loss)(model, x, y, mask), weight=mask.sum()) is None
+
+  for i, window in enumerate(windows):
+    for mb in window:
+      step(model, opt, *mb)
+    if discard_after == i:
+      nnx.jit(lambda opt: opt.discard())(opt)
+  if flush_last:
+    nnx.jit(lambda opt, model: opt.flush(model))(opt, model)
+  assert len(traces) == 1, "one compilation serves every microstep"
+  return model, opt
+
+
+def test_fused_optimizer_equals_window_means_and_counts_updates():
+  windows = _windows()
+  partial = windows[:2] + [windows[2][:2]]
+  model, opt = _fused_accumulated(partial, flush_last=True)
+  chex.assert_trees_all_close(_params(model), _params(_nnx_reference(partial)), rtol=2e-5)
+  plain_model, _ = _nnx_accumulated(partial, flush_last=True)  # nnx.Optimizer, tx.update path
+  chex.assert_trees_all_close(_params(model), _params(plain_model), rtol=1e-6)
+  m = optax_accum.metrics(opt.opt_state)
+  assert int(opt.step[...]) == 3 == int(m.num_updates)  # applied updates, the flush included
+  assert int(m.num_microbatches) == 8 and int(m.mini_step) == 0
+
+
+def test_fused_optimizer_discard_and_plain_tx():
+  windows = _windows()
+  with_extra = [windows[0], windows[1][:1], windows[2]]
+  model, opt = _fused_accumulated(with_extra, discard_after=1)
+  reference = _nnx_reference([windows[0], windows[2]])
+  chex.assert_trees_all_close(_params(model), _params(reference), rtol=2e-5)
+  assert int(opt.step[...]) == 2
+  # Without accumulate it is nnx.Optimizer: every call is an update and is counted.
+  model = MLP(nnx.Rngs(0))
+  opt = optax_accum.flax.Optimizer(model, _inner(), wrt=nnx.Param)
+  for window in windows[:2]:
+    opt.update(model, nnx.grad(_nnx_loss)(model, *_concat(window)))
+  chex.assert_trees_all_close(_params(model), _params(_nnx_reference(windows[:2])), rtol=1e-6)
+  assert int(opt.step[...]) == 2
+
+
 # -------------------------------------------------------------------------- Linen
 
 

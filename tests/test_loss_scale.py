@@ -26,7 +26,7 @@ def test_dynamic_defaults_are_pytorch_gradscaler_defaults():
   # torch.amp.GradScaler(init_scale=2.**16, growth_factor=2., backoff_factor=.5,
   # growth_interval=2000); floor and ceiling are ours.
   s = optax_accum.dynamic_loss_scale()
-  assert isinstance(s, optax_accum.DynamicLossScale)
+  assert isinstance(s, optax_accum._loss_scale.DynamicLossScale)
   assert (s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval) == (
     65536.0,
     2.0,
@@ -227,9 +227,9 @@ def test_dynamic_rule_matches_gradscaler_model(
 @pytest.mark.parametrize(
   "make, error",
   [
-    (lambda: optax_accum.StaticLossScale(-3.0), ValueError),
-    (lambda: optax_accum.DynamicLossScale(backoff_factor=2.0), ValueError),
-    (lambda: optax_accum.DynamicLossScale(growth_interval=True), TypeError),
+    (lambda: optax_accum._loss_scale.StaticLossScale(-3.0), ValueError),
+    (lambda: optax_accum._loss_scale.DynamicLossScale(backoff_factor=2.0), ValueError),
+    (lambda: optax_accum._loss_scale.DynamicLossScale(growth_interval=True), TypeError),
     (lambda: optax_accum.dynamic_loss_scale(init_scale="1"), TypeError),
     (lambda: optax_accum.dynamic_loss_scale(growth_interval=float("inf")), ValueError),
   ],

@@ -1,7 +1,7 @@
 """Mixed precision through ``accumulate``: loss scaling, clip-after-accumulate, non-finite windows.
 
-The pure loss-scale rule is tested in ``tests/test_loss_scale.py``. Cases C4, C5, C8, C9 and C10
-are from ``/work/shared/cases/README.md``. Expected values are hand-worked numbers, ``jax.grad``
+The pure loss-scale rule is tested in ``tests/test_loss_scale.py``. Reference cases C4, C5, C8,
+C9 and C10 appear here with a loss scale. Expected values are hand-worked numbers, ``jax.grad``
 over the concatenated batch, or a run without the feature under test (bitwise, where scaling by
 a power of two is exact).
 """
@@ -181,7 +181,7 @@ def test_power_of_two_scale_is_bitwise_invisible(rule):
     (state.grad_norm, state.window_loss, state.num_updates),
     (ref_state.grad_norm, ref_state.window_loss, ref_state.num_updates),
   )
-  if isinstance(rule, optax_accum.DynamicLossScale):
+  if isinstance(rule, optax_accum._loss_scale.DynamicLossScale):
     assert float(state.loss_scale) == 2.0**15  # grew once per window: the scale did move
 
 

@@ -77,16 +77,16 @@ WORKER = COMMON + textwrap.dedent(
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 
   params = jax.tree.map(lambda x: global_array(x, P()), PARAMS0)
-  opt_state = optax_accum.stack_windows(tx.init(PARAMS0), mesh, "data")
-  specs = optax_accum.window_specs(opt_state, "data")
+  opt_state = optax_accum.sharding.stack_windows(tx.init(PARAMS0), mesh, "data")
+  specs = optax_accum.sharding.window_specs(opt_state, "data")
 
   def body(params, opt_state, batch):
-    opt_state = optax_accum.local_state(opt_state)
+    opt_state = optax_accum.sharding.local_state(opt_state)
     # Differentiate w.r.t. a device-varying copy: the gradient stays local (no
     # all-reduce per microstep). tx.update and apply_updates get the replicated params.
     grads = jax.grad(loss_fn)(jax.lax.pcast(params, "data", to="varying"), batch)
     updates, opt_state = tx.update(grads, opt_state, params, weight=jnp.sum(batch["mask"]))
-    return optax.apply_updates(params, updates), optax_accum.stacked_state(opt_state)
+    return optax.apply_updates(params, updates), optax_accum.sharding.stacked_state(opt_state)
 
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")),
                                out_specs=(P(), specs)))

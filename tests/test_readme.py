@@ -21,8 +21,8 @@ def test_readme_has_two_setup_commands_first():
   first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
   commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
   assert commands == [
-      'pip install -e ".[flax]" && optax-accum demo',
-      'pip install -e ".[test]" && python -m pytest -n 2',
+    'pip install -e ".[flax]" && optax-accum demo',
+    'pip install -e ".[test]" && python -m pytest -n 2',
   ]
   ci = (ROOT / ".ci" / "run").read_text()
   assert commands[1] in ci

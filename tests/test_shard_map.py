@@ -1,6 +1,6 @@
 """accumulate(..., axis_name=...) inside jax.shard_map: local windows, one all-reduce each.
 
-Eight fake CPU devices (conftest.py). Model M2 of shared/cases (linear regression)
+Eight fake CPU devices (conftest.py). Model M2 of the reference cases (linear regression)
 on padded microbatches with a token mask; every device holds its own tokens and
 its own window sums. The reference is float64 NumPy over all valid tokens of the
 window, gathered from every device: one physical batch.
@@ -43,14 +43,14 @@ def make_step(tx, mesh, specs, check_vma, pcast=None):
   chex.clear_trace_counter()
 
   def body(params, opt_state, batch):
-    opt_state = optax_accum.local_state(opt_state)
+    opt_state = optax_accum.sharding.local_state(opt_state)
     # Differentiate w.r.t. a device-varying copy: the gradient stays local (no
     # all-reduce per microstep). tx.update and apply_updates get the replicated params.
     local = jax.lax.pcast(params, AXIS, to="varying") if pcast else params
     loss, grads = jax.value_and_grad(loss_fn)(local, batch)
     weight = jnp.sum(batch["mask"])
     updates, opt_state = tx.update(grads, opt_state, params, weight=weight, value=loss)
-    return optax.apply_updates(params, updates), optax_accum.stacked_state(opt_state)
+    return optax.apply_updates(params, updates), optax_accum.sharding.stacked_state(opt_state)
 
   return jax.jit(
     jax.shard_map(
@@ -106,8 +106,8 @@ def assert_replicas_equal(tree):
 def setup(tx, params0):
   mesh = jax.make_mesh((N_DEV,), (AXIS,))
   params = place(mesh, params0, P())
-  opt_state = optax_accum.stack_windows(tx.init(params0), mesh, AXIS)
-  specs = optax_accum.window_specs(opt_state, AXIS)
+  opt_state = optax_accum.sharding.stack_windows(tx.init(params0), mesh, AXIS)
+  specs = optax_accum.sharding.window_specs(opt_state, AXIS)
   return mesh, params, opt_state, specs
 
 
@@ -175,7 +175,9 @@ def count(tx, check_vma, pcast):
   mesh, params, opt_state, specs = setup(tx, PARAMS0)
   step = make_step(tx, mesh, specs, check_vma, pcast)
   batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
-  return optax_accum.count_collectives(step.lower(params, opt_state, batch).compile().as_text())
+  return optax_accum.testing.count_collectives(
+    step.lower(params, opt_state, batch).compile().as_text()
+  )
 
 
 @pytest.mark.parametrize("check_vma", RECIPES)

@@ -58,7 +58,7 @@ def test_init_sharded_places_every_param_shaped_leaf_like_its_param(mode, layout
   params = make_params(mesh, layout, jnp.bfloat16)
   tx = optax_accum.accumulate(optax.adamw(1e-3), every_k=4)
   with mesh_context(mode, mesh):
-    state = optax_accum.init_sharded(tx, params)
+    state = optax_accum.sharding.init_sharded(tx, params)
   for tree in (state.acc, state.inner_state[0].mu, state.inner_state[0].nu):
     assert_placed_like(tree, params)
   chex.assert_trees_all_equal(state.acc, jax.tree.map(lambda p: jnp.zeros(p.shape), params))
@@ -146,7 +146,7 @@ def test_sharded_run_equals_single_device_run(mode, layout, single_device_run):
   chex.clear_trace_counter()
   mesh = make_mesh(mode)
   params = make_params(mesh, layout)
-  opt_state = optax_accum.init_sharded(tx, params)
+  opt_state = optax_accum.sharding.init_sharded(tx, params)
   step = make_train_step(tx)
   batch_sharding = NamedSharding(mesh, P("data"))
   for batch in batches:
@@ -163,13 +163,13 @@ def test_fsdp_update_never_gathers_the_accumulator():
   mesh = make_mesh("auto")
   params = make_params(mesh, "fsdp")
   tx = make_tx()
-  opt_state = optax_accum.init_sharded(tx, params)
+  opt_state = optax_accum.sharding.init_sharded(tx, params)
 
   def update(grads, opt_state, params, weight):
     return tx.update(grads, opt_state, params, weight=weight)
 
   compiled = jax.jit(update).lower(params, opt_state, params, jnp.float32(3)).compile()
-  counts = optax_accum.count_collectives(compiled.as_text())
+  counts = optax_accum.testing.count_collectives(compiled.as_text())
   assert sum(counts["outside"].values()) == 0, counts
   assert set(counts["in_conditional"]) <= {"all-reduce"}, counts
   _, new_state = compiled(params, opt_state, params, jnp.float32(3))
@@ -186,7 +186,7 @@ def test_plain_jit_with_a_sharded_batch_all_reduces_every_microstep():
   mesh = make_mesh("auto")
   params = make_params(mesh, "dp")
   tx = make_tx()
-  opt_state = optax_accum.init_sharded(tx, params)
+  opt_state = optax_accum.sharding.init_sharded(tx, params)
   batch = jax.device_put(make_batches(1)[0], NamedSharding(mesh, P("data")))
   text = make_train_step(tx).lower(params, opt_state, batch).compile().as_text()
-  assert optax_accum.count_collectives(text)["outside"]["all-reduce"] >= 1
+  assert optax_accum.testing.count_collectives(text)["outside"]["all-reduce"] >= 1

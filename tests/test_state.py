@@ -10,8 +10,9 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum._numerics import COUNTER_MAX
 from optax_accum._state import find_state
+
+COUNTER_MAX = np.iinfo(np.int32).max
 
 PARAMS = {"theta": jnp.zeros(3), "b": jnp.zeros(())}
 GRADS = {"theta": jnp.array([1.0, -2.0, 3.0]), "b": jnp.array(0.5)}

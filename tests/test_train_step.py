@@ -1,13 +1,10 @@
-"""apply_if_updated and the recommended (donated, gated) train step.
+"""Tests of optax_accum/_train_step.py: update_and_apply, the recommended (donated) train step.
 
-Also the fast paths of accumulate's boundary that the train step relies on:
-the one-pass norm/finite check (against float64 NumPy), its exact fallback,
-the fused clip (against optax.clip_by_global_norm), and the compiled HLO (no
-parameter-sized copies, one gradient-sized temporary).
+The fused path (accumulate's own transformation) and the fallback (any other
+tx) against tx.update + optax.apply_updates and against one physical batch.
 """
 
 import functools
-import re
 
 import chex
 import jax
@@ -41,8 +38,7 @@ def _donated_step(tx):
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, state, x, y, weight):
     grads = jax.grad(_loss)(params, x, y)
-    updates, state = tx.update(grads, state, params, weight=weight)
-    return optax_accum.apply_if_updated(params, updates, state), state
+    return optax_accum.update_and_apply(tx, grads, state, params, weight=weight)
 
   return step
 
@@ -51,7 +47,7 @@ def _donated_step(tx):
   "inner", [optax.sgd(1.0), optax.adamw(1e-2, weight_decay=1e-2)], ids=["sgd", "adamw"]
 )
 def test_window_equals_physical_batch(inner):
-  """C2 through the donated, gated step: two windows equal two full-batch steps."""
+  """C2 through the donated, fused step: two windows equal two full-batch steps."""
   tx = optax_accum.accumulate(inner, every_k=4)
   step = _donated_step(tx)
   params = _fresh(_params())
@@ -76,16 +72,15 @@ def test_matches_apply_updates_through_chain_and_flush():
   params_a = params_b = _params()
   state_a = state_b = tx.init(params_a)
   update = jax.jit(tx.update)
-  gated = jax.jit(optax_accum.apply_if_updated)
+  fused = jax.jit(functools.partial(optax_accum.update_and_apply, tx))
   for a, b in _SPLITS:  # 3 make a window, the 4th stays open until the flush
     grads = jax.grad(_loss)(params_a, _X[a:b], _Y[a:b])
-    u, state_a = update(grads, state_a, params_a, weight=b - a)
-    params_a = gated(params_a, u, state_a)
+    params_a, state_a = fused(grads, state_a, params_a, weight=b - a)
     grads = jax.grad(_loss)(params_b, _X[a:b], _Y[a:b])
     u, state_b = update(grads, state_b, params_b, weight=b - a)
     params_b = optax.apply_updates(params_b, u)
   u, state_a = optax_accum.flush(tx, state_a, params_a)
-  params_a = gated(params_a, u, state_a)
+  params_a = optax.apply_updates(params_a, u)
   assert bool(optax_accum.metrics(state_a).updated)
   # Reference: the flushed window holds only the last microbatch (weight 2), so the
   # update is -0.5 * its mean gradient at the params after the first window.
@@ -138,8 +133,8 @@ def test_under_vmap_over_states():
 
   @jax.jit
   def step(params, state, g):
-    u, state = jax.vmap(tx.update)(g, state, params)
-    return jax.vmap(optax_accum.apply_if_updated)(params, u, state), state
+    fused = functools.partial(optax_accum.update_and_apply, tx)
+    return jax.vmap(lambda g, s, p: fused(g, s, p))(g, state, params)
 
   params, state = step(params, state, grads[0])
   chex.assert_trees_all_equal(params, {"w": jnp.zeros((3, 2))})
@@ -147,116 +142,61 @@ def test_under_vmap_over_states():
   chex.assert_trees_all_close(params, {"w": jnp.full((3, 2), -2.0)})
 
 
-def test_needs_an_accumulation_state():
-  with pytest.raises(ValueError, match="AccumulationState"):
-    optax_accum.apply_if_updated({"w": jnp.zeros(2)}, {"w": jnp.zeros(2)}, optax.sgd(1.0).init({}))
+def _halving_wrapper(tx):
+  """A user transformation whose update calls accumulate's and halves its updates."""
 
+  def update(grads, state, params=None, **extra_args):
+    updates, state = tx.update(grads, state, params, **extra_args)
+    return jax.tree.map(lambda u: 0.5 * u, updates), state
 
-def _one_window(grads_list, weights, **kwargs):
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=len(grads_list), **kwargs)
-  params = {"a": jnp.zeros(4), "b": jnp.zeros((2, 3))}
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  for g, w in zip(grads_list, weights, strict=True):
-    u, state = update(g, state, params, weight=w)
-  return u, optax_accum.metrics(state)
-
-
-def _tree(a, b):
-  return {"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
-
-
-def test_norm_fast_path_matches_float64():
-  g1 = _tree([1.0, -2.0, 3.0, 0.5], np.arange(6.0).reshape(2, 3))
-  g2 = _tree([0.25, 2.0, -1.0, 4.0], -np.ones((2, 3)))
-  u, m = _one_window([g1, g2], [3, 1])
-  mean = [
-    (3 * np.float64(x) + np.float64(y)) / 4
-    for x, y in zip(*(jax.tree.leaves(t) for t in (g1, g2)), strict=True)
-  ]
-  expect = np.sqrt(sum(np.sum(x**2) for x in mean))
-  np.testing.assert_allclose(float(m.grad_norm), expect, rtol=1e-6)
-  assert bool(m.updated)
-  chex.assert_trees_all_close(jax.tree.leaves(u), [-x for x in mean], rtol=1e-6)
-
-
-def test_overflowing_sum_of_squares_is_still_finite():
-  """Elements near 1e30 overflow sum(g**2) in float32 but the mean is finite: applied."""
-  big = _tree([1e30, -2e30, 0.0, 1.0], np.full((2, 3), 3e30))
-  u, m = _one_window([big], [1])
-  assert bool(m.updated) and int(m.num_skipped) == 0
-  expect = np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in jax.tree.leaves(big)))
-  np.testing.assert_allclose(float(m.grad_norm), expect, rtol=1e-5)
-  chex.assert_trees_all_close(u, jax.tree.map(lambda x: -x, big), rtol=1e-6)
-
-
-@pytest.mark.parametrize("bad, norm_is", [(np.inf, np.isinf), (np.nan, np.isnan)])
-def test_non_finite_window_skipped(bad, norm_is):
-  g = _tree([1.0, bad, 0.0, 1.0], np.ones((2, 3)))
-  u, m = _one_window([g, _tree(np.ones(4), np.ones((2, 3)))], [1, 1])
-  assert not bool(m.updated) and int(m.num_skipped) == 1
-  assert norm_is(float(m.grad_norm))
-  chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, u))
-
-
-def test_mean_that_overflows_only_after_division_is_skipped():
-  """A finite sum divided by a tiny weight sum overflows: exactly the old rule."""
-  g = _tree(np.full(4, 1e30), np.ones((2, 3)))
-  _, m = _one_window([g], [1e-10])  # weight 1e-10: mean = g (gradient of the mean loss)
-  assert bool(m.updated)  # the weighted sum is 1e20, the mean 1e30: finite
-  tx = optax_accum.accumulate(
-    optax.sgd(1.0), every_k=1, loss_scale=optax_accum.static_loss_scale(1e-20)
-  )
-  params = {"a": jnp.zeros(4), "b": jnp.zeros((2, 3))}
-  _, state = jax.jit(tx.update)(g, tx.init(params), params)
-  m = optax_accum.metrics(state)  # mean = g / 1e-20 = 1e50: not finite in float32
-  assert not bool(m.updated) and int(m.num_skipped) == 1 and np.isinf(float(m.grad_norm))
-
-
-@pytest.mark.parametrize("clip", [0.5, 100.0])
-def test_clip_matches_optax(clip):
-  g1 = _tree([1.0, -2.0, 3.0, 0.5], np.arange(6.0).reshape(2, 3))
-  g2 = _tree([0.25, 2.0, -1.0, 4.0], -np.ones((2, 3)))
-  u, _ = _one_window([g1, g2], [1, 3], clip_norm=clip)
-  mean = jax.tree.map(lambda a, b: (a + 3 * b) / 4, g1, g2)
-  ref, _ = optax.clip_by_global_norm(clip).update(mean, optax.EmptyState())
-  chex.assert_trees_all_close(u, jax.tree.map(lambda x: -x, ref), rtol=1e-6)
-
-
-def _param_sized_copies(compiled, shape):
-  pattern = r"= f32\[" + ",".join(map(str, shape)) + r"\]\{[^}]*\} copy\("
-  return [line for line in compiled.as_text().splitlines() if re.search(pattern, line)]
+  return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 @pytest.mark.parametrize(
-  "kwargs",
-  [{}, {"clip_norm": 1.0, "loss_scale": optax_accum.dynamic_loss_scale()}],
-  ids=["plain", "clip_scale"],
+  "make",
+  [
+    _halving_wrapper,
+    lambda acc: optax.chain(acc, optax.scale(0.5)),
+  ],
+  ids=["wrapper", "chain_scale_after"],
 )
-def test_compiled_step_has_no_param_sized_copies(kwargs):
-  """The recommended step on CPU: buffers stay in place (the point of issue 6).
+def test_members_after_accumulate_change_the_updates_on_both_paths(make):
+  """sgd(1.0), every_k=2, params 1.0, grads 1.0: the window's update -1.0, halved: 0.5.
 
-  Four equal-shape leaves (equal zero broadcasts used to be merged and copied);
-  temp memory is one gradient-sized buffer (the updates), not more.
+  The fused path must not silently differ (it once halved the new *params*: -0.25).
   """
-  if jax.default_backend() != "cpu":
-    pytest.skip("the HLO shape is checked for the CPU backend")
-  shape = (64, 256)
-  params = {f"w{i}": jnp.zeros(shape) for i in range(4)}
-  tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4, **kwargs)
+  tx = make(optax_accum.accumulate(optax.sgd(1.0), every_k=2))
+  params = {"w": jnp.ones(())}
+  state_a = state_b = tx.init(params)
+  params_a = params_b = params
+  for _ in range(2):
+    params_a, state_a = optax_accum.update_and_apply(tx, {"w": jnp.ones(())}, state_a, params_a)
+    u, state_b = tx.update({"w": jnp.ones(())}, state_b, params_b)
+    params_b = optax.apply_updates(params_b, u)
+  assert float(params_a["w"]) == float(params_b["w"]) == 0.5
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax_accum.apply_if_updated(params, updates, state), state
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def fused_step(params, state, grads):
-    return optax_accum.update_and_apply(tx, grads, state, params)
+def test_fused_path_only_for_accumulates_own_transformation():
+  from optax_accum._accumulate import fused_update
 
-  param_bytes = 4 * 64 * 256 * 4
-  for f in (step, fused_step):
-    compiled = f.lower(params, tx.init(params), params).compile()
-    assert _param_sized_copies(compiled, shape) == []
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp <= param_bytes + 4096
+  acc = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+  assert fused_update(acc) is not None
+  assert fused_update(optax.chain(acc)) is None
+  assert fused_update(_halving_wrapper(acc)) is None
+  assert fused_update(optax.sgd(1.0)) is None
+
+
+def test_plain_optimizer_through_update_and_apply():
+  """Any tx works: update_and_apply is then exactly tx.update + optax.apply_updates."""
+  tx = optax.adam(0.1)
+  params = {"w": jnp.array([1.0, -2.0])}
+  g = {"w": jnp.array([0.5, 0.25])}
+  new, _ = optax_accum.update_and_apply(tx, g, tx.init(params), params)
+  u, _ = tx.update(g, tx.init(params), params)
+  chex.assert_trees_all_equal(new, optax.apply_updates(params, u))
+
+
+def test_fused_path_needs_params():
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+  with pytest.raises(ValueError, match="needs the params"):
+    optax_accum.update_and_apply(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)

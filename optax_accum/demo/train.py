@@ -33,6 +33,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import optax_accum
+import optax_accum.flax
 from optax_accum.demo.model import CharTransformer, token_loss
 from optax_accum.demo.setup import (  # noqa: F401 - re-exported for `train.QUICK` etc.
   QUICK,
@@ -169,7 +170,7 @@ def train(
   reshuffles the rest. Each microbatch is one call of a jitted step that
   computes the masked-mean loss's gradient and calls
   ``optimizer.update(model, grads, weight=mask.sum(), value=loss, flush=last)``
-  on an ``nnx.Optimizer(model, accumulate(adamw, every_k), wrt=nnx.Param)``;
+  on an ``optax_accum.flax.Optimizer(model, accumulate(adamw, every_k), wrt=nnx.Param)``;
   ``flush`` is True on an epoch's last microbatch, so windows never straddle
   epochs, and a window still open when the run stops is closed with
   :func:`optax_accum.flush`.
@@ -199,7 +200,7 @@ def train(
   model = make_model(config)
   inner = make_inner(config) if inner is None else inner
   tx = optax_accum.accumulate(inner, config.every_k)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
 

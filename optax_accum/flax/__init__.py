@@ -4,17 +4,17 @@ Import it explicitly; ``import optax_accum`` never imports Flax::
 
   import optax_accum.flax
 
-NNX: use ``nnx.Optimizer(model, optax_accum.accumulate(...), wrt=nnx.Param)``
-and ``optimizer.update(model, grads, weight=n_tokens)`` directly; the helpers
-here read the update counter (:func:`num_updates`; ``optimizer.step`` counts
-microbatches) and close (:func:`flush`) or drop (:func:`discard`) the open
-window in place.
+NNX: :class:`Optimizer`, a drop-in ``nnx.Optimizer`` on the fused path whose
+``step`` counts applied updates (``flush`` and ``discard`` are methods). A plain
+``nnx.Optimizer(model, optax_accum.accumulate(...), wrt=nnx.Param)`` also works;
+for it, :func:`num_updates`, :func:`flush` and :func:`discard` read the update
+counter and close or drop the open window in place.
 
-Linen: :class:`TrainState` forwards ``weight``/``flush`` and counts applied
-updates in ``step``.
+Linen: :class:`TrainState` forwards ``weight``/``flush``, takes the fused path
+and counts applied updates in ``step``.
 """
 
 from optax_accum.flax._linen import TrainState
-from optax_accum.flax._nnx import discard, flush, num_updates
+from optax_accum.flax._nnx import Optimizer, discard, flush, num_updates
 
-__all__ = ["TrainState", "discard", "flush", "num_updates"]
+__all__ = ["Optimizer", "TrainState", "discard", "flush", "num_updates"]

@@ -3,8 +3,10 @@
 Flax's ``flax.training.train_state.TrainState.apply_gradients`` forwards no
 extra arguments to ``tx.update`` and increments ``step`` on every call. With
 :func:`optax_accum.accumulate` each call is a microbatch, so this subclass
-forwards ``weight`` and ``flush`` and advances ``step`` only when a window was
-applied (not on microsteps, not on skipped non-finite windows). Code written
+forwards ``weight`` and ``flush``, advances ``step`` only when a window was
+applied (not on microsteps, not on skipped non-finite windows), and takes the
+fused path (:func:`optax_accum.update_and_apply`: no update buffer, params
+untouched between boundaries). Code written
 for Flax's class keeps working: without ``weight`` every microbatch weighs 1,
 which is exact when the microbatches have equal sizes.
 """
@@ -18,9 +20,9 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optax_accum._accumulate import flush as _flush_state
 from optax_accum._state import discard as _discard_state
-from optax_accum._state import find_states
+from optax_accum._state import find_states, flush_with
+from optax_accum._train_step import update_and_apply
 
 
 class TrainState(train_state.TrainState):
@@ -74,12 +76,11 @@ class TrainState(train_state.TrainState):
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.zeros((), jnp.int32))
 
-  def _apply(self, updates_fn, grads: Any, **kwargs: Any) -> TrainState:
+  def _apply(self, step_fn, grads: Any, **kwargs: Any) -> TrainState:
     owg = grads is not None and OVERWRITE_WITH_GRADIENT in grads
     params = self.params["params"] if owg else self.params
     grads_opt = None if grads is None else (grads["params"] if owg else grads)
-    updates, new_opt_state = updates_fn(grads_opt, params)
-    new_params = optax.apply_updates(params, updates)
+    new_params, new_opt_state = step_fn(grads_opt, params)
     if owg:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
     states = find_states(new_opt_state)
@@ -118,7 +119,7 @@ class TrainState(train_state.TrainState):
         do not match the params.
     """
     return self._apply(
-      lambda g, p: self.tx.update(g, self.opt_state, p, weight=weight, flush=flush),
+      lambda g, p: update_and_apply(self.tx, g, self.opt_state, p, weight=weight, flush=flush),
       grads,
       **kwargs,
     )
@@ -135,7 +136,12 @@ class TrainState(train_state.TrainState):
     Returns:
       A new state with the open window applied.
     """
-    return self._apply(lambda _, p: _flush_state(self.tx, self.opt_state, p), None, **kwargs)
+
+    def step(_, params):
+      fused = lambda g, s, p, **kw: update_and_apply(self.tx, g, s, p, **kw)
+      return flush_with(fused, self.opt_state, params, {})
+
+    return self._apply(step, None, **kwargs)
 
   def discard(self) -> TrainState:
     """Drops the open window (:func:`optax_accum.discard`); params and ``step`` unchanged.

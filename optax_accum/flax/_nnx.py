@@ -1,16 +1,16 @@
-"""Helpers for Flax NNX's ``nnx.Optimizer`` wrapping :func:`optax_accum.accumulate`.
+"""Flax NNX: :class:`Optimizer` (the fused path) and helpers for a plain ``nnx.Optimizer``.
 
-``nnx.Optimizer(model, optax_accum.accumulate(...), wrt=nnx.Param)`` works as
-is: ``optimizer.update(model, grads, weight=n_tokens)`` forwards ``weight`` (and
-``flush``) to ``tx.update`` (Flax's ``Optimizer.update`` passes ``**kwargs``
-through), and :func:`optax_accum.metrics` reads ``optimizer.opt_state``
-directly. Two things differ from a plain optimizer:
+:class:`Optimizer` is ``nnx.Optimizer`` with the same constructor and
+``update(model, grads, **kwargs)``, whose update is
+:func:`optax_accum.update_and_apply` (no update buffer; params untouched
+between boundaries) and whose ``step`` counts applied updates.
 
-* ``optimizer.step`` counts *calls* to ``update``, i.e. microbatches. The
-  number of applied updates is :func:`num_updates` (``metrics(...).num_updates``);
-  drive EMA, evaluation, checkpoints and per-update logging from it.
-* The open window lives inside ``OptArray`` variables. :func:`flush` and
-  :func:`discard` close or drop it in place, like ``optimizer.update`` does.
+A plain ``nnx.Optimizer(model, optax_accum.accumulate(...), wrt=nnx.Param)``
+also gives correct results (its ``update`` is ``tx.update`` +
+``optax.apply_updates``, about 2.3x the fused path's memory traffic between
+boundaries, docs/performance.md); its ``step`` counts *microbatches*, so read
+:func:`num_updates` for schedules, EMA, evaluation and checkpoints, and use
+:func:`flush` / :func:`discard` to close or drop its open window in place.
 """
 
 from __future__ import annotations
@@ -21,14 +21,27 @@ import jax
 import optax
 from flax import nnx
 
-from optax_accum._accumulate import flush as _flush_state
 from optax_accum._state import discard as _discard_state
+from optax_accum._state import find_states, flush_with
 from optax_accum._state import metrics as _metrics
+from optax_accum._train_step import update_and_apply
 
 
 def _graph(optimizer: nnx.Optimizer) -> bool | None:
   # `graph` exists since Flax 0.12; None means "the current nnx graph mode".
   return getattr(optimizer, "graph", None)
+
+
+def _arrays(optimizer: nnx.Optimizer, model: Any) -> tuple[Any, Any]:
+  """The ``wrt`` params of ``model`` and the optimizer state, as plain arrays."""
+  graph = _graph(optimizer)
+  return nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph)), nnx.as_pure(optimizer.opt_state)
+
+
+def _commit(optimizer: nnx.Optimizer, model: Any, params: Any, opt_state: Any) -> None:
+  """Writes new params into ``model`` and the new state into ``optimizer``, in place."""
+  nnx.update(model, params)
+  nnx.update(optimizer.opt_state, nnx.state(opt_state, graph=_graph(optimizer)))
 
 
 def num_updates(optimizer: nnx.Optimizer) -> jax.Array:
@@ -101,12 +114,11 @@ def flush(optimizer: nnx.Optimizer, model: Any, **extra_args: Any) -> optax.Upda
     >>> model.kernel[...]  # -(3 * 1 + 1 * 5) / 4
     Array([[-2.]], dtype=float32)
   """
-  graph = _graph(optimizer)
-  params = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
-  opt_state = nnx.as_pure(optimizer.opt_state)
-  updates, new_opt_state = _flush_state(optimizer.tx, opt_state, params, **nnx.as_pure(extra_args))
-  nnx.update(model, optax.apply_updates(params, updates))
-  nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=graph))
+  params, opt_state = _arrays(optimizer, model)
+  updates, new_opt_state = flush_with(
+    optimizer.tx.update, opt_state, params, nnx.as_pure(extra_args)
+  )
+  _commit(optimizer, model, optax.apply_updates(params, updates), new_opt_state)
   return updates
 
 
@@ -139,3 +151,97 @@ def discard(optimizer: nnx.Optimizer) -> None:
   """
   new_opt_state = _discard_state(nnx.as_pure(optimizer.opt_state))
   nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=_graph(optimizer)))
+
+
+class Optimizer(nnx.Optimizer):
+  """``nnx.Optimizer`` on the fused path; ``step`` counts applied updates.
+
+  Same constructor as ``nnx.Optimizer`` (``Optimizer(model, tx, wrt=nnx.Param)``)
+  and the same ``update(model, grads, **kwargs)`` signature; ``kwargs`` go to
+  ``tx.update`` (``weight``, ``flush``, ``value``, the inner optimizer's extra
+  args). With ``tx = optax_accum.accumulate(...)``, ``update`` is
+  :func:`optax_accum.update_and_apply`: between boundaries the params are not
+  touched and no update tree is written, so a microstep costs what
+  ``acc += weight * grads`` costs. With any other ``tx`` (a chain around
+  ``accumulate``, a plain optimizer) it is ``tx.update`` +
+  ``optax.apply_updates``, as in Flax.
+
+  ``step`` counts *applied updates* (what a schedule counts; skipped and open
+  windows are not counted): use it for EMA, evaluation and checkpoint
+  intervals. The microbatch count (the data position) is
+  ``optax_accum.metrics(opt.opt_state).num_microbatches``. With a ``tx`` that
+  holds no ``accumulate``, ``step`` counts calls, as in Flax.
+
+  Attributes:
+    step: ``OptState`` uint32, applied updates since creation.
+    tx: the optimizer, typically ``optax_accum.accumulate(inner, every_k)``.
+    opt_state: ``tx``'s state (holds the open window between calls).
+
+  Examples:
+    >>> import optax, optax_accum, optax_accum.flax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+    >>> model.kernel[...] = jnp.zeros((1, 1))
+    >>> opt = optax_accum.flax.Optimizer(
+    ...   model, optax_accum.accumulate(optax.sgd(1.0), every_k=2), wrt=nnx.Param)
+    >>> grad_fn = nnx.grad(lambda m, g: (m(jnp.ones((1, 1))) * g).sum())  # gradient g
+    >>> for g, n in ((1.0, 3), (5.0, 1), (7.0, 2)):  # a window of 2, then 1 of the next
+    ...   opt.update(model, grad_fn(model, g), weight=n)
+    >>> model.kernel[...], int(opt.step[...])  # -(3 * 1 + 1 * 5) / 4; one update
+    (Array([[-2.]], dtype=float32), 1)
+    >>> opt.flush(model)  # the last, incomplete window: its mean is 7
+    >>> model.kernel[...], int(opt.step[...])
+    (Array([[-9.]], dtype=float32), 2)
+  """
+
+  def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
+    """Adds one microbatch's gradients; at a boundary updates ``model`` in place.
+
+    Args:
+      model: the model the optimizer was created for.
+      grads: the gradients from ``nnx.grad`` (of the microbatch's mean loss).
+      **kwargs: forwarded to ``tx.update`` (``weight``, ``flush``, ``value``, ...).
+
+    Returns:
+      None (``nnx.Optimizer.update`` returns the updates; the fused path writes
+      none). The params change in ``model`` at a boundary.
+
+    Raises:
+      TypeError, ValueError: from ``tx.update`` (a bad weight, grads that do not
+        match the params).
+    """
+    params, opt_state = _arrays(self, model)
+    grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=_graph(self)))
+    self._step(
+      model, params, update_and_apply(self.tx, grads, opt_state, params, **nnx.as_pure(kwargs))
+    )
+
+  def flush(self, model: Any, **kwargs: Any) -> None:
+    """Closes and applies the open window to ``model`` (:func:`optax_accum.flush`).
+
+    Args:
+      model: the model the optimizer was created for.
+      **kwargs: forwarded to ``tx.update`` (the inner optimizer's extra args).
+
+    Raises:
+      ValueError: if ``tx`` holds no :func:`optax_accum.accumulate`.
+    """
+    params, opt_state = _arrays(self, model)
+    fused = lambda g, s, p, **kw: update_and_apply(self.tx, g, s, p, **kw)
+    self._step(model, params, flush_with(fused, opt_state, params, nnx.as_pure(kwargs)))
+
+  def discard(self) -> None:
+    """Drops the open window in place (:func:`optax_accum.discard`)."""
+    discard(self)
+
+  def _step(self, model: Any, params: Any, result: tuple[Any, Any]) -> None:
+    new_params, new_opt_state = result
+    _commit(self, model, new_params, new_opt_state)
+    states = find_states(new_opt_state)
+    if len(states) > 1:
+      raise ValueError(
+        f"tx contains {len(states)} optax_accum.accumulate transformations; Optimizer "
+        "counts the updates of exactly one."
+      )
+    applied = states[0].updated if states else True
+    self.step[...] += jax.numpy.asarray(applied).astype(self.step[...].dtype)

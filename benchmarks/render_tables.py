@@ -1,0 +1,113 @@
+"""Renders the README's performance tables from the microstep benchmark's JSON.
+
+The numbers in README.md between ``<!-- microstep-table:begin -->`` and
+``<!-- microstep-table:end -->`` are never edited by hand: run the benchmark,
+then this script.
+
+  python benchmarks/microstep.py --sizes 4e6 16e6 --inner adam adamw --every-k 4 16 \\
+      --out benchmarks/results/microstep.json
+  python benchmarks/render_tables.py            # rewrites the README block
+  python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+JSON = ROOT / "benchmarks" / "results" / "microstep.json"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- microstep-table:begin -->", "<!-- microstep-table:end -->"
+
+ROWS = [
+  ("floor", "floor: `acc += g` alone"),
+  ("plain", "plain inner step (no accumulation)"),
+  ("multisteps", "`optax.MultiSteps` + `optax.apply_updates`"),
+  ("accumulate", "`accumulate` + `optax.apply_updates`"),
+  ("accumulate_fused", "**`update_and_apply`**"),
+  ("nnx_optimizer", "`optax_accum.flax.Optimizer` (NNX)"),
+  ("train_state", "`optax_accum.flax.TrainState`"),
+]
+GOALS = [
+  ("non_boundary_over_floor", "`apply_updates` non-boundary / floor", "<= 2.6"),
+  ("window_avg_over_multisteps", "`apply_updates` window avg / MultiSteps", "<= 0.17 at k=16"),
+  ("non_boundary_fused_over_floor", "`update_and_apply` non-boundary / floor", "<= 1.15"),
+  (
+    "boundary_fused_over_plain_plus_floor",
+    "`update_and_apply` boundary / (plain + floor)",
+    "<= 1.3",
+  ),
+  ("non_boundary_nnx_optimizer_over_floor", "`flax.Optimizer` non-boundary / floor", "-"),
+  ("non_boundary_train_state_over_floor", "`TrainState` non-boundary / floor", "-"),
+]
+
+
+def _ms(x: float) -> str:
+  return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def _size(n: int) -> str:
+  return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def render(report: dict[str, Any]) -> str:
+  """The markdown block (without the markers) for a microstep benchmark report."""
+  results = report["results"]
+  main = max(results, key=lambda r: (r["num_params"], r["every_k"], r["inner"] == "adam"))
+  head = f"{_size(main['num_params'])} params, {main['inner']}, every_k={main['every_k']}, ms"
+  lines = [
+    f"| {head} | non-boundary | boundary | window avg |",
+    "| --- | --- | --- | --- |",
+  ]
+  for key, label in ROWS:
+    v = main["variants"].get(key)
+    if v is not None:
+      cells = [v["non_boundary_ms"], v["boundary_ms"], v["window_avg_ms"]]
+      lines.append(f"| {label} | " + " | ".join(_ms(c) for c in cells) + " |")
+  configs = [f"{_size(r['num_params'])} {r['inner']} k={r['every_k']}" for r in results]
+  lines += ["", "| ratio | goal | " + " | ".join(configs) + " |"]
+  lines.append("| --- | --- | " + " | ".join("---" for _ in results) + " |")
+  for key, label, goal in GOALS:
+    if all(key in r["ratios"] for r in results):
+      cells = " | ".join(f"{r['ratios'][key]:.2f}" for r in results)
+      lines.append(f"| {label} | {goal} | {cells} |")
+  m = report["machine"]
+  lines += [
+    "",
+    f"Medians of {main['rounds']} interleaved windows per variant, every step jitted with params"
+    f" and state donated, all variants in one process; {m['cpu_count']}-core {m['processor']},"
+    f" jax {m['jax']}, optax {m['optax']}. Source: `benchmarks/results/microstep.json`, rendered"
+    " by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
+def block(text: str) -> str:
+  """The README's current block between the markers."""
+  start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+  return text[start:end].strip("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--json", default=str(JSON))
+  parser.add_argument("--check", action="store_true", help="exit 1 if the README disagrees")
+  args = parser.parse_args(argv)
+  table = render(json.loads(pathlib.Path(args.json).read_text()))
+  text = README.read_text()
+  if args.check:
+    if block(text) != table:
+      print("README.md's microstep table differs from the JSON: rerun this script.")
+      return 1
+    return 0
+  start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+  README.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

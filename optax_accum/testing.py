@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from optax_accum._accumulate import accumulate
+from optax_accum._collectives import count_collectives
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
 from optax_accum._state import metrics
 from optax_accum._testing_models import (
@@ -46,6 +47,7 @@ __all__ = [
   "assert_equivalent",
   "batch_dependent_layers",
   "check_equivalence",
+  "count_collectives",
   "linear_regression_data",
   "linear_regression_params",
   "linear_regression_loss",

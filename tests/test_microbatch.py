@@ -161,7 +161,7 @@ def test_loss_scale_divided_out_once_and_handed_to_accumulate(token_data):
   ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, batch)
   scale = 1024.0
   f = optax_accum.microbatched_value_and_grad(
-    testing.token_loss, K, weight_fn=tokens, loss_scale=scale
+    testing.token_loss, K, weight_fn=tokens, loss_scale=scale, unscale=True
   )
   loss, grads = jax.jit(f)(params, batch)
   chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
@@ -326,7 +326,7 @@ def test_strict_dtype_promotion_and_integer_aux(token_data):
 
   with jax.numpy_dtype_promotion("strict"):
     f = optax_accum.microbatched_value_and_grad(
-      loss_fn, K, weight_fn=tokens, has_aux=True, loss_scale=8.0
+      loss_fn, K, weight_fn=tokens, has_aux=True, loss_scale=8.0, unscale=True
     )
     (loss, aux), grads = jax.jit(f)(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, batch)
@@ -350,7 +350,27 @@ def test_python_scalar_aux_leaf_is_averaged_like_an_array():
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
 def test_concrete_bad_loss_scale_raises(scale):
   grad_fn = optax_accum.microbatched_value_and_grad(
-    lambda p, b: (b * p).mean(), 2, loss_scale=scale
+    lambda p, b: (b * p).mean(), 2, loss_scale=scale, unscale=False
   )
   with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
     grad_fn(1.0, jnp.ones(4))
+
+
+def test_loss_scale_old_default_still_divides_with_a_deprecation_warning(token_data):
+  params, batch = token_data
+  ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, batch)
+  with pytest.warns(DeprecationWarning, match="unscale=False for that convention"):
+    f = optax_accum.microbatched_value_and_grad(
+      testing.token_loss, K, weight_fn=tokens, loss_scale=4.0
+    )
+  chex.assert_trees_all_close(
+    jax.jit(f)(params, batch), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7
+  )
+
+
+def test_loss_scale_policy_is_refused_with_the_value_to_pass_instead():
+  f = optax_accum.microbatched_value_and_grad(
+    lambda p, b: (b * p).mean(), 2, loss_scale=optax_accum.dynamic_loss_scale(), unscale=False
+  )
+  with pytest.raises(TypeError, match=r"get_loss_scale\(opt_state\)"):
+    f(1.0, jnp.ones(4))

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import testing
 
 AXIS = "data"
 N_DEV = 8
@@ -175,7 +176,7 @@ def count(tx, check_vma, pcast):
   mesh, params, opt_state, specs = setup(tx, PARAMS0)
   step = make_step(tx, mesh, specs, check_vma, pcast)
   batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
-  return optax_accum.count_collectives(step.lower(params, opt_state, batch).compile().as_text())
+  return testing.count_collectives(step.lower(params, opt_state, batch).compile().as_text())
 
 
 @pytest.mark.parametrize("check_vma", RECIPES)

@@ -117,12 +117,6 @@ def _carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
   return _numerics.accumulator_dtype(dt, override)
 
 
-def _zeros_acc(tree: PyTree, override: Any = None) -> PyTree:
-  """Zero sums for ``tree`` in the accumulator dtype."""
-  zeros = lambda x: jnp.zeros(np.shape(x), _carry_dtype(jnp.result_type(x), override))
-  return jax.tree.map(zeros, tree)
-
-
 def _lane_mean(aux: PyTree, w: jax.Array) -> PyTree:
   """Per-microbatch weighted mean over the lanes: ``[K, D, ...]`` leaves, ``[K, D]`` weights."""
   wsum = w.sum(1)
@@ -361,12 +355,8 @@ def microbatched_value_and_grad(
     # Trace one microbatch abstractly to size the carry (no compute is staged).
     mb0 = jax.tree.map(lambda x: x[0], micro)
     loss_s, aux_s, _, g_s, w_s = jax.eval_shape(grads_of, mb0, 0, state0)
-    if lanes:
-      zeros = lambda s, dt: _mesh.lane_zeros(s, dt, mesh, axes)
-      acc0 = jax.tree.map(lambda s: zeros(s, _carry_dtype(s.dtype, accumulator_dtype)), g_s)
-    else:
-      zeros = lambda s, dt: jnp.zeros(s.shape, dt)
-      acc0 = _zeros_acc(params, accumulator_dtype)
+    zeros = lambda s, dt: _mesh.carry_zeros(s, dt, mesh, axes, lanes)
+    acc0 = jax.tree.map(lambda s: zeros(s, _carry_dtype(s.dtype, accumulator_dtype)), g_s)
     loss0 = zeros(loss_s, loss_s.dtype)
     aux0 = None
     if has_aux and aux_mode == "mean":
@@ -384,8 +374,6 @@ def microbatched_value_and_grad(
       stacked = (aux, w) if (has_aux and aux_mode == "stack") else None
       return (acc, wsum + w, loss_sum, aux_sum, new_state), stacked
 
-    if mode == "shard_map":  # each device's sums vary over the axis until the psum
-      acc0, wsum0, loss0, aux0 = _mesh.to_varying((acc0, wsum0, loss0, aux0), axes)
     carry0 = (acc0, wsum0, loss0, aux0, state0)
     ks = jnp.arange(k_total, dtype=jnp.int32)
     (acc, wsum, loss_sum, aux_sum, state), stacked = jax.lax.scan(body, carry0, (ks, micro))

@@ -58,7 +58,7 @@ def resolve(axis_name: Any, batch: PyTree) -> tuple[str | None, tuple[str, ...],
   if mesh.empty:  # jit without set_mesh: an Explicit-sharded batch still names its mesh
     for leaf in jax.tree.leaves(batch):
       sharding = getattr(jax.typeof(leaf), "sharding", None)
-      if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+      if isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types:
         mesh = sharding.mesh
         break
   missing = [a for a in axes if mesh.empty or a not in mesh.shape]
@@ -154,12 +154,23 @@ def _reshape(x: jax.Array, shape: tuple[int, ...], mesh: Any, axes: tuple[str, .
   return jax.lax.reshape(x, shape, out_sharding=NamedSharding(mesh, P(*spec)))
 
 
-def lane_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...]) -> jax.Array:
-  """Zeros shaped like ``struct`` (``[D, ...]``) in ``dtype``, dimension 0 sharded over ``axes``."""
+def carry_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...], lanes: int):
+  """Zeros shaped like ``struct`` (a ``jax.eval_shape`` result) in ``dtype``, typed like it.
+
+  With lanes, dimension 0 (``D``) is sharded over ``axes``. Inside
+  ``shard_map`` with ``check_vma=True`` the zeros vary over the same manual
+  axes as ``struct`` does, so a device-varying sum has a device-varying
+  start (``lax.scan`` requires equal carry types).
+  """
   sharding = getattr(struct, "sharding", None)
-  if _explicit(mesh, axes) and isinstance(sharding, NamedSharding):
-    return jnp.zeros(struct.shape, dtype, out_sharding=sharding)
-  return constrain(jnp.zeros(struct.shape, dtype), mesh, axes, 0)
+  if not lanes:
+    x = jnp.zeros(struct.shape, dtype)
+  elif _explicit(mesh, axes) and isinstance(sharding, NamedSharding):
+    x = jnp.zeros(struct.shape, dtype, out_sharding=sharding)
+  else:
+    x = constrain(jnp.zeros(struct.shape, dtype), mesh, axes, 0)
+  varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
+  return jax.lax.pcast(x, tuple(sorted(varying)), to="varying") if varying else x
 
 
 def like_params(grads: PyTree, params: PyTree) -> PyTree:

@@ -16,6 +16,7 @@ from optax_accum._microbatch import microbatched_value_and_grad, split_batch
 from optax_accum._resume import abstract_state, check_compatible
 from optax_accum._scaled_grad import scaled_value_and_grad
 from optax_accum._sharding import (
+  count_collectives,
   init_sharded,
   local_state,
   stack_windows,
@@ -37,6 +38,7 @@ __all__ = [
   "accumulate",
   "apply_if_updated",
   "check_compatible",
+  "count_collectives",
   "discard",
   "dynamic_loss_scale",
   "flush",

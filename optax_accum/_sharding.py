@@ -22,6 +22,7 @@ Two ways to scale :func:`optax_accum.accumulate` out over a device mesh:
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 import jax
@@ -29,6 +30,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from optax_accum import _collectives
 from optax_accum._state import map_states, map_window
 
 PyTree = Any
@@ -289,3 +291,13 @@ def stacked_state(opt_state: PyTree) -> PyTree:
     ((8, 3), (8,))
   """
   return map_states(lambda s: map_window(lambda x: x[None], s), opt_state)
+
+
+def count_collectives(hlo_text: str) -> dict[str, collections.Counter]:
+  """Deprecated alias of :func:`optax_accum.testing.count_collectives` (removed next release)."""
+  warnings.warn(
+    "optax_accum.count_collectives moved to optax_accum.testing.count_collectives.",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return _collectives.count_collectives(hlo_text)

@@ -222,3 +222,11 @@ def test_count_collectives_on_hand_written_hlo():
     "in_conditional": {},
     "in_loop": {},
   }
+
+
+def test_top_level_count_collectives_is_a_deprecated_alias():
+  import optax_accum
+
+  with pytest.warns(DeprecationWarning, match="optax_accum.testing.count_collectives"):
+    counts = optax_accum.count_collectives(HAND_WRITTEN_HLO)
+  assert counts == testing.count_collectives(HAND_WRITTEN_HLO)

@@ -117,20 +117,6 @@ def _carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
   return _numerics.accumulator_dtype(dt, override)
 
 
-def _lane_mean(aux: PyTree, w: jax.Array) -> PyTree:
-  """Per-microbatch weighted mean over the lanes: ``[K, D, ...]`` leaves, ``[K, D]`` weights."""
-  wsum = w.sum(1)
-
-  def mean(x):
-    x = x.astype(_carry_dtype(x.dtype))
-    ww = w.astype(x.dtype).reshape(w.shape + (1,) * (x.ndim - 2))
-    total = jnp.where(ww != 0, ww * x, jnp.zeros((), x.dtype)).sum(1)
-    ws = wsum.astype(x.dtype).reshape(wsum.shape + (1,) * (x.ndim - 2))
-    return total / jnp.where(ws != 0, ws, jnp.ones_like(ws))
-
-  return jax.tree.map(mean, aux)
-
-
 def _scale_value(loss_scale: Any) -> jax.Array | None:
   """The loss scale in force as a float32 scalar; a concrete one must be finite and > 0."""
   if loss_scale is None:
@@ -393,7 +379,7 @@ def microbatched_value_and_grad(
     if aux_mode == "stack":
       aux = None
       if stacked is not None:
-        aux = _lane_mean(*stacked) if lanes else stacked[0]
+        aux = _mesh.lane_mean(*stacked) if lanes else stacked[0]
     else:
       aux = _numerics.guarded_divide(aux_sum, wsum)
     if has_state:

@@ -238,3 +238,23 @@ def lane_indices(lanes: int, mesh: Any, axes: tuple[str, ...]) -> jax.Array:
   Folded into a ``key``, so each lane draws its own dropout masks.
   """
   return constrain(jnp.arange(lanes, dtype=np.int32), mesh, axes, 0)
+
+
+def lane_mean(aux: PyTree, w: jax.Array) -> PyTree:
+  """Per-microbatch weighted mean over the lanes of ``[K, D, ...]`` leaves, weights ``[K, D]``.
+
+  ``aux_mode='stack'`` under ``jit``: microbatch ``k``'s aux combined like its
+  loss (a weight-0 lane adds nothing, even a NaN; an all-zero microbatch gives 0).
+  Integer leaves come back as float32.
+  """
+  wsum = w.sum(1)
+
+  def mean(x):
+    dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32
+    x = x.astype(jnp.promote_types(dtype, jnp.float32))
+    ww = w.astype(x.dtype).reshape(w.shape + (1,) * (x.ndim - 2))
+    total = jnp.where(ww != 0, ww * x, jnp.zeros((), x.dtype)).sum(1)
+    ws = wsum.astype(x.dtype).reshape(wsum.shape + (1,) * (x.ndim - 2))
+    return total / jnp.where(ws != 0, ws, jnp.ones_like(ws))
+
+  return jax.tree.map(mean, aux)

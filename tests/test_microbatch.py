@@ -517,3 +517,28 @@ def test_jit_axis_name_aux_mean_and_stack_over_lanes():
   micro = optax_accum.split_batch(batch, 2)
   per_mb = [mlp_loss(params, jax.tree.map(lambda x, k=k: x[k], micro)) for k in range(2)]
   chex.assert_trees_all_close(stacked["loss"], jnp.stack(per_mb), rtol=1e-5)
+
+
+def test_jit_axis_name_folds_the_key_with_microbatch_then_lane():
+  params, batch = mesh_data()
+  key = jax.random.key(3)
+
+  def loss_fn(p, b, key):
+    return mlp_loss(p, b), {"draw": jax.random.uniform(key)}
+
+  mesh, p_mesh, b_mesh = place_on_mesh(jax.sharding.AxisType.Auto, "replicated", params, batch)
+  f = optax_accum.microbatched_value_and_grad(
+    loss_fn, 2, weight_fn=tokens, has_aux=True, axis_name="data"
+  )
+  with jax.set_mesh(mesh):
+    (_, aux), _ = jax.jit(f)(p_mesh, b_mesh, key=key)
+  # By hand: lane d of microbatch k draws with fold_in(fold_in(key, k), d), weighted by tokens.
+  mask = np.asarray(batch["mask"]).reshape(N_DEV, -1, 2)  # [device, row, microbatch] (strided)
+  draws, weights = [], []
+  for k in range(2):
+    for d in range(N_DEV):
+      draws.append(float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, k), d))))
+      weights.append(mask[d, :, k].sum())
+  expected = np.dot(draws, weights) / np.sum(weights)
+  np.testing.assert_allclose(aux["draw"], expected, rtol=1e-5)
+  assert len(set(draws)) == len(draws)  # every lane draws its own numbers

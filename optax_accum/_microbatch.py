@@ -14,6 +14,7 @@ paths round the same way and an empty (all-padding) batch gives zeros, not NaN.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _checks, _numerics
+from optax_accum import _checks, _loss_scale, _numerics
+from optax_accum import _microbatch_mesh as _mesh
 
 PyTree = Any
 
@@ -108,15 +110,30 @@ def _contiguous_sharding(x: jax.Array) -> Any:
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
 
 
-def _zeros_acc(tree: PyTree, override: Any = None) -> PyTree:
-  """Zero sums for ``tree`` in the accumulator dtype (integers and bools become float)."""
+def _carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
+  """The dtype a sum of ``dtype`` values is carried in (integers and bools become float)."""
+  dt = jnp.dtype(dtype)
+  dt = dt if jnp.issubdtype(dt, jnp.inexact) else _numerics.scalar_dtype()
+  return _numerics.accumulator_dtype(dt, override)
 
-  def zeros(x):
-    dt = jnp.result_type(x)
-    dt = dt if jnp.issubdtype(dt, jnp.inexact) else _numerics.scalar_dtype()
-    return jnp.zeros(np.shape(x), _numerics.accumulator_dtype(dt, override))
 
-  return jax.tree.map(zeros, tree)
+def _scale_value(loss_scale: Any) -> jax.Array | None:
+  """The loss scale in force as a float32 scalar; a concrete one must be finite and > 0."""
+  if loss_scale is None:
+    return None
+  if isinstance(loss_scale, (_loss_scale.StaticLossScale, _loss_scale.DynamicLossScale)):
+    raise TypeError(
+      "microbatched_value_and_grad takes the loss scale in force (a number), not a loss-scale "
+      "policy: pass loss_scale=optax_accum.get_loss_scale(opt_state) and give the policy "
+      f"({type(loss_scale).__name__}) to accumulate(..., loss_scale=...)."
+    )
+  if not isinstance(loss_scale, jax.core.Tracer):
+    if not 0 < float(np.asarray(loss_scale)) < float("inf"):
+      raise ValueError(
+        f"loss_scale must be a finite number > 0, got {loss_scale}. Pass None for no "
+        "scaling, or optax_accum.get_loss_scale(opt_state)."
+      )
+  return jnp.asarray(loss_scale, _numerics.scalar_dtype())
 
 
 def microbatched_value_and_grad(
@@ -128,8 +145,9 @@ def microbatched_value_and_grad(
   has_state: bool = False,
   aux_mode: str = "mean",
   strided: bool = True,
+  axis_name: str | tuple[str, ...] | None = None,
   loss_scale: Any = None,
-  unscale: bool = True,
+  unscale: bool | None = None,
   accumulator_dtype: Any = None,
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
@@ -173,14 +191,38 @@ def microbatched_value_and_grad(
     strided: microbatch ``k`` takes rows ``k, k+K, ...`` (default; keeps rows
       on their device under data-parallel sharding when the local batch is
       divisible by ``K``); ``False`` takes contiguous slices.
-    loss_scale: ``None`` or a positive scalar (may be traced, e.g.
-      ``optax_accum.get_loss_scale(opt_state)``). Each microbatch differentiates
-      ``loss * loss_scale`` (guards fp16 gradients against underflow); the
-      returned loss is unscaled.
-    unscale: with ``loss_scale``, divide the gradient by it once at the end
-      (default). ``False`` returns the gradient of the scaled mean loss, to be
-      handed to ``accumulate(inner, every_k=1, loss_scale=...)``, which divides
-      by the scale, skips non-finite steps and adjusts a dynamic scale.
+    axis_name: the mesh axis (or tuple of axes) the batch is sharded over.
+      ``f`` then communicates once per call, after the scan, never per
+      microbatch. Inside ``jax.shard_map`` over the axis, ``batch`` is the
+      device's rows; one ``psum`` of the sums (gradient, weight, loss, aux)
+      follows the scan, so the result is weighted by the global weight sum
+      (a device's rows may hold fewer real tokens). Under ``jax.jit`` (call
+      it inside ``with jax.set_mesh(mesh):``, or with Explicit-sharded batch
+      leaves), each microbatch is cut into one lane per device
+      (``loss_fn`` and ``weight_fn`` see ``rows / (K * D)`` rows) and every
+      device keeps its partial sum; the lanes are summed once after the scan
+      (one all-reduce, or reduce-scatter for sharded params, per leaf). The
+      batch size must then be divisible by ``K * D``, ``has_state`` is
+      refused, ``key`` is also folded with the lane index, and ``'stack'``
+      aux is the weighted mean over lanes per microbatch. The carry then
+      holds one gradient-sized partial sum per device (not a shard of one).
+      Default ``None``: no reduction of ours; under ``jit`` with a sharded
+      batch the compiler all-reduces every microbatch's gradient.
+    loss_scale: the loss scale in force: ``None`` or a positive scalar, the
+      number ``optax_accum.get_loss_scale(opt_state)`` returns (may be
+      traced). The same convention as :func:`optax_accum.scaled_value_and_grad`:
+      each microbatch differentiates ``loss * loss_scale`` in float32, the
+      returned loss is unscaled, and the gradient is that of the scaled loss,
+      for ``accumulate(inner, ..., loss_scale=policy)`` to divide out once at
+      the boundary (and skip non-finite steps, adjust a dynamic scale). A
+      policy object (``static_loss_scale(...)``) raises ``TypeError``: the
+      policy goes to ``accumulate``, its current value here.
+    unscale: ``True`` divides the gradient by ``loss_scale`` here (no
+      ``accumulate`` loss scale follows, e.g. a fixed scale that only guards
+      fp16 gradients against underflow); ``False`` returns the scaled gradient
+      (the convention above). Deprecated default: with ``loss_scale`` and
+      ``unscale`` omitted, the gradient is still divided, with a
+      ``DeprecationWarning``; the next release returns the scaled gradient.
     accumulator_dtype: override of the carry's dtype, as in ``accumulate``.
 
   Returns:
@@ -192,7 +234,9 @@ def microbatched_value_and_grad(
   Raises:
     TypeError, ValueError: for a bad ``num_microbatches`` or ``aux_mode`` at
       construction; at trace time for an indivisible batch, a non-scalar loss or
-      weight, or a boolean weight.
+      weight, a boolean weight, a loss-scale policy or a concrete non-positive
+      or non-finite ``loss_scale``, an ``axis_name`` that is not an axis of the
+      current mesh, or ``has_state`` with a ``jit`` ``axis_name``.
 
   Examples:
     >>> import optax_accum
@@ -216,6 +260,17 @@ def microbatched_value_and_grad(
     raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
   if accumulator_dtype is not None:
     accumulator_dtype = jnp.dtype(accumulator_dtype)
+  unscale_ = bool(unscale)
+  if loss_scale is not None and unscale is None:
+    warnings.warn(
+      "microbatched_value_and_grad(loss_scale=...) without unscale= divides the gradient by "
+      "the scale; the next release returns the gradient of the scaled loss instead, as "
+      "scaled_value_and_grad does, for accumulate(..., loss_scale=...) to divide out. Pass "
+      "unscale=False for that convention now, or unscale=True to keep dividing here.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    unscale_ = True
 
   def scaled_loss(params, mb, scale, extra, kwargs):
     args = (params, mb, *extra)
@@ -236,7 +291,24 @@ def microbatched_value_and_grad(
   grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
   def value_and_grad(params, batch, *args, **kwargs):
-    micro = split_batch(batch, k_total, strided=strided)
+    mode, axes, mesh = _mesh.resolve(axis_name, batch)
+    lanes = _mesh.num_lanes(mesh, axes) if mode == "jit" else 0
+    if lanes and has_state:
+      raise ValueError(
+        f"has_state=True with axis_name={axis_name!r} under jax.jit: every device would "
+        "return its own state. Run the step inside jax.shard_map over that axis instead "
+        "(each device then threads its own state)."
+      )
+    if lanes:
+      split_batch(batch, k_total, strided=strided)  # the same checks and messages first
+      micro = _mesh.split_lanes(batch, k_total, lanes, mesh, axes, strided)
+    else:
+      micro = split_batch(batch, k_total, strided=strided)
+    diff_params = params
+    if mode == "shard_map":
+      diff_params = _mesh.to_varying(params, axes)
+    elif lanes:
+      diff_params = _mesh.gather_over(params, mesh, axes)
     if has_state:
       if not args:
         raise TypeError("has_state=True: call f(params, batch, state, *args, **kwargs).")
@@ -244,54 +316,72 @@ def microbatched_value_and_grad(
     else:
       state0 = None
     key = kwargs.pop("key", None)
-    scale = None if loss_scale is None else jnp.asarray(loss_scale, _numerics.scalar_dtype())
-    if loss_scale is not None and not isinstance(loss_scale, jax.core.Tracer):
-      if not 0 < float(np.asarray(loss_scale)) < float("inf"):
-        raise ValueError(
-          f"loss_scale must be a finite number > 0, got {loss_scale}. Pass None for no "
-          "scaling, or optax_accum.get_loss_scale(opt_state)."
-        )
-    mb0 = jax.tree.map(lambda x: x[0], micro)
+    scale = _scale_value(loss_scale)
 
-    def grads_of(mb, k, state):
+    def lane_grads(mb, k, state, lane):
       kw = dict(kwargs)
       if key is not None:
         kw["key"] = jax.random.fold_in(key, k)
+        if lane is not None:
+          kw["key"] = jax.random.fold_in(kw["key"], lane)
       extra = args if state is None else (state, *args)
-      (_, (loss, aux, new_state)), g = grad_fn(params, mb, scale, extra, kw)
-      if weight_fn is None:
-        w = jax.tree.leaves(mb)[0].shape[0]
-      else:
-        w = weight_fn(mb)
+      (_, (loss, aux, new_state)), g = grad_fn(diff_params, mb, scale, extra, kw)
+      w = jax.tree.leaves(mb)[0].shape[0] if weight_fn is None else weight_fn(mb)
       return loss, aux, new_state, g, _checks.weight(w, "weight_fn(microbatch)")
 
+    def grads_of(mb, k, state):
+      if not lanes:
+        return lane_grads(mb, k, state, None)
+      per_lane = lambda m, d: lane_grads(m, k, None, d)
+      lane_ids = _mesh.lane_indices(lanes, mesh, axes)
+      return jax.vmap(per_lane, spmd_axis_name=axes)(mb, lane_ids)
+
+    add = jax.vmap(_numerics.weighted_add, spmd_axis_name=axes) if lanes else _numerics.weighted_add
+
     # Trace one microbatch abstractly to size the carry (no compute is staged).
-    loss_s, aux_s, _, _, _ = jax.eval_shape(grads_of, mb0, 0, state0)
-    acc0 = _zeros_acc(params, accumulator_dtype)
-    loss0 = jnp.zeros((), loss_s.dtype)
-    aux0 = _zeros_acc(aux_s) if (has_aux and aux_mode == "mean") else None
-    wsum0 = jnp.zeros((), _numerics.scalar_dtype())
+    mb0 = jax.tree.map(lambda x: x[0], micro)
+    loss_s, aux_s, _, g_s, w_s = jax.eval_shape(grads_of, mb0, 0, state0)
+    zeros = lambda s, dt: _mesh.carry_zeros(s, dt, mesh, axes, lanes)
+    acc0 = jax.tree.map(lambda s: zeros(s, _carry_dtype(s.dtype, accumulator_dtype)), g_s)
+    loss0 = zeros(loss_s, loss_s.dtype)
+    aux0 = None
+    if has_aux and aux_mode == "mean":
+      aux0 = jax.tree.map(lambda s: zeros(s, _carry_dtype(s.dtype)), aux_s)
+    wsum0 = zeros(w_s, _numerics.scalar_dtype())
 
     def body(carry, xs):
       acc, wsum, loss_sum, aux_sum, state = carry
       k, mb = xs
       loss, aux, new_state, g, w = grads_of(mb, k, state)
-      acc = _numerics.weighted_add(acc, g, w)
-      loss_sum = _numerics.weighted_add(loss_sum, loss, w)
+      acc = add(acc, g, w)
+      loss_sum = add(loss_sum, loss, w)
       if aux_sum is not None:
-        aux_sum = _numerics.weighted_add(aux_sum, aux, w)
-      stacked = aux if (has_aux and aux_mode == "stack") else None
+        aux_sum = add(aux_sum, aux, w)
+      stacked = (aux, w) if (has_aux and aux_mode == "stack") else None
       return (acc, wsum + w, loss_sum, aux_sum, new_state), stacked
 
     carry0 = (acc0, wsum0, loss0, aux0, state0)
     ks = jnp.arange(k_total, dtype=jnp.int32)
     (acc, wsum, loss_sum, aux_sum, state), stacked = jax.lax.scan(body, carry0, (ks, micro))
 
+    # The one reduction over devices, after the scan.
+    sums = (acc, wsum, loss_sum, aux_sum)
+    if lanes:
+      acc, wsum, loss_sum, aux_sum = jax.tree.map(lambda x: x.sum(0), sums)
+    elif mode == "shard_map":
+      acc, wsum, loss_sum, aux_sum = _mesh.psum_sums(sums, axes)
     # The one division of the step (by the weight sum, times the scale if unscaling).
-    denom = wsum if (scale is None or not unscale) else wsum * scale
+    denom = wsum if (scale is None or not unscale_) else wsum * scale
     grads = optax.tree.cast_like(_numerics.guarded_divide(acc, denom), params)
+    if lanes:
+      grads = _mesh.like_params(grads, params)
     loss = _numerics.guarded_divide(loss_sum, wsum)
-    aux = stacked if aux_mode == "stack" else _numerics.guarded_divide(aux_sum, wsum)
+    if aux_mode == "stack":
+      aux = None
+      if stacked is not None:
+        aux = _mesh.lane_mean(*stacked) if lanes else stacked[0]
+    else:
+      aux = _numerics.guarded_divide(aux_sum, wsum)
     if has_state:
       value = (loss, (aux, state)) if has_aux else (loss, state)
     else:

@@ -23,6 +23,15 @@ def scaled_value_and_grad(
   used, and the state divides the accumulated gradient by the same scale once
   at the boundary (PyTorch AMP's ``scaler.scale(loss).backward()``).
 
+  The loss-scale convention of the library: ``accumulate(loss_scale=...)``
+  takes the *policy* (``static_loss_scale(...)``, ``dynamic_loss_scale(...)``)
+  and keeps the scale in force in its state; a gradient helper takes that
+  *value* (``optax_accum.get_loss_scale(opt_state)``), returns the unscaled
+  loss and the gradient of ``loss * scale``, and never divides. The in-step
+  helper follows it: ``microbatched_value_and_grad(loss_fn, K,
+  loss_scale=optax_accum.get_loss_scale(opt_state), unscale=False)`` returns
+  what this function returns on the whole batch.
+
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss (or
       ``(loss, aux)`` with ``has_aux``). The loss is cast to float32 before it

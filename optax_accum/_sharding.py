@@ -17,15 +17,11 @@ Two ways to scale :func:`optax_accum.accumulate` out over a device mesh:
   ``shard_map`` body :func:`local_state` and :func:`stacked_state` drop and
   restore that axis. Everything else in the state is identical on every device
   and is replicated.
-
-:func:`count_collectives` reads compiled HLO text, to check how often a step
-communicates.
 """
 
 from __future__ import annotations
 
 import collections
-import re
 from typing import Any
 
 import jax
@@ -293,85 +289,3 @@ def stacked_state(opt_state: PyTree) -> PyTree:
     ((8, 3), (8,))
   """
   return map_states(lambda s: map_window(lambda x: x[None], s), opt_state)
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-# The opcode: the first lowercase ``name(`` right of ``=`` (types hold none).
-_OPCODE = re.compile(r"(?<![\w%.\-])([a-z][\w\-]*)\(")
-_BRANCHES = re.compile(
-  r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)"
-  r"|false_computation=%?([\w.\-]+))"
-)
-_CALLEES = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def count_collectives(hlo_text: str) -> dict[str, collections.Counter]:
-  """Counts the collectives of a compiled program, inside and outside conditionals.
-
-  A step of :func:`optax_accum.accumulate` runs its boundary in a
-  ``lax.cond``; communication there happens once per window, communication
-  outside it on every microstep. Async pairs (``all-reduce-start``/``-done``)
-  count once.
-
-  Args:
-    hlo_text: ``jax.jit(step).lower(*args).compile().as_text()``.
-
-  Returns:
-    ``{'outside': Counter, 'in_conditional': Counter}`` keyed by opcode
-    (``'all-reduce'``, ``'all-gather'``, ``'reduce-scatter'``,
-    ``'all-to-all'``, ``'collective-permute'``). A variadic all-reduce of
-    several arrays counts once. It raises nothing: text without HLO
-    computations gives two empty counters.
-
-  Examples:
-    >>> import optax_accum
-    >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((8,), ('data',))
-    >>> f = jax.shard_map(lambda x: jax.lax.psum(x, 'data'), mesh=mesh,
-    ...                   in_specs=P('data'), out_specs=P())
-    >>> x = jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P('data')))
-    >>> c = optax_accum.testing.count_collectives(jax.jit(f).lower(x).compile().as_text())
-    >>> c['outside']['all-reduce'], c['in_conditional']['all-reduce']
-    (1, 0)
-  """
-  bodies: dict[str, list[str]] = {}
-  current = None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match and "=" not in line.split("{")[0].split("(")[0]:
-      current = match.group(1)
-      bodies[current] = []
-    elif current is not None:
-      bodies[current].append(line)
-  calls: dict[str, set[str]] = collections.defaultdict(set)
-  branch_roots: set[str] = set()
-  for name, lines in bodies.items():
-    for line in lines:
-      for match in _BRANCHES.finditer(line):
-        names = match.group(1) or match.group(2) or match.group(3)
-        branch_roots.update(n.strip().lstrip("%") for n in names.split(","))
-      calls[name].update(_CALLEES.findall(line))
-  inside = set()
-  todo = list(branch_roots)
-  while todo:
-    name = todo.pop()
-    if name not in inside:
-      inside.add(name)
-      todo.extend(calls.get(name, ()))
-      for line in bodies.get(name, ()):
-        for match in _BRANCHES.finditer(line):
-          names = match.group(1) or match.group(2) or match.group(3)
-          todo.extend(n.strip().lstrip("%") for n in names.split(","))
-  counts = {"outside": collections.Counter(), "in_conditional": collections.Counter()}
-  for name, lines in bodies.items():
-    where = "in_conditional" if name in inside else "outside"
-    for line in lines:
-      _, eq, rhs = line.partition(" = ")
-      match = _OPCODE.search(rhs) if eq else None
-      if match is None:
-        continue
-      op = match.group(1).removesuffix("-start")
-      if op in COLLECTIVES:
-        counts[where][op] += 1
-  return counts

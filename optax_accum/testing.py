@@ -24,8 +24,8 @@ import numpy as np
 import optax
 
 from optax_accum._accumulate import accumulate
+from optax_accum._collectives import count_collectives
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
-from optax_accum._sharding import count_collectives
 from optax_accum._state import metrics
 from optax_accum._testing_models import (
   linear_regression_data,

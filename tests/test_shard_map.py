@@ -1,6 +1,6 @@
 """accumulate(..., axis_name=...) inside jax.shard_map: local windows, one all-reduce each.
 
-Eight fake CPU devices (conftest.py). Model M2 of the reference cases (linear regression)
+Eight fake CPU devices (conftest.py). Model M2 of shared/cases (linear regression)
 on padded microbatches with a token mask; every device holds its own tokens and
 its own window sums. The reference is float64 NumPy over all valid tokens of the
 window, gathered from every device: one physical batch.
@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import testing
 
 AXIS = "data"
 N_DEV = 8
@@ -175,9 +176,7 @@ def count(tx, check_vma, pcast):
   mesh, params, opt_state, specs = setup(tx, PARAMS0)
   step = make_step(tx, mesh, specs, check_vma, pcast)
   batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
-  return optax_accum.testing.count_collectives(
-    step.lower(params, opt_state, batch).compile().as_text()
-  )
+  return testing.count_collectives(step.lower(params, opt_state, batch).compile().as_text())
 
 
 @pytest.mark.parametrize("check_vma", RECIPES)

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import testing
 
 SHAPE = (4, 2)
 AXES = ("data", "model")
@@ -169,7 +170,7 @@ def test_fsdp_update_never_gathers_the_accumulator():
     return tx.update(grads, opt_state, params, weight=weight)
 
   compiled = jax.jit(update).lower(params, opt_state, params, jnp.float32(3)).compile()
-  counts = optax_accum.testing.count_collectives(compiled.as_text())
+  counts = testing.count_collectives(compiled.as_text())
   assert sum(counts["outside"].values()) == 0, counts
   assert set(counts["in_conditional"]) <= {"all-reduce"}, counts
   _, new_state = compiled(params, opt_state, params, jnp.float32(3))
@@ -189,4 +190,4 @@ def test_plain_jit_with_a_sharded_batch_all_reduces_every_microstep():
   opt_state = optax_accum.sharding.init_sharded(tx, params)
   batch = jax.device_put(make_batches(1)[0], NamedSharding(mesh, P("data")))
   text = make_train_step(tx).lower(params, opt_state, batch).compile().as_text()
-  assert optax_accum.testing.count_collectives(text)["outside"]["all-reduce"] >= 1
+  assert testing.count_collectives(text)["outside"]["all-reduce"] >= 1

@@ -1,0 +1,260 @@
+"""Where the in-step scan's sums live on a device mesh, and the one reduction after the scan.
+
+:func:`optax_accum.microbatched_value_and_grad` with ``axis_name`` keeps every
+device's partial sums (gradient, weight, loss, aux) local for all ``K``
+microbatches and reduces them once, after the ``lax.scan``:
+
+* inside ``jax.shard_map`` over ``axis_name`` (the axis is manual): the params
+  are cast to device-varying (:func:`to_varying`), so ``jax.grad`` does not
+  ``psum`` the gradient of every microbatch, and one ``psum`` of the sums
+  follows the scan (:func:`psum_sums`);
+* under ``jax.jit`` with a mesh (``jax.set_mesh``, or Explicit-sharded batch
+  leaves): each microbatch is cut into one lane per device along the axis
+  (:func:`split_lanes`, shape ``[K, D, rows/D, ...]``), the gradient is
+  ``jax.vmap``-ed over the lanes with ``spmd_axis_name=axis_name``, and the
+  carry holds one partial sum per lane, sharded over the axis
+  (:func:`lane_zeros`). Summing the lanes after the scan is the step's one
+  all-reduce (or reduce-scatter) per leaf. This is the "leading device axis"
+  of MaxText's and levanter's in-step accumulation; JAX 0.10.2's
+  ``PartitionSpec(unreduced=...)`` cannot sit in a scan carry (MaxText
+  notes the same), so it is not used.
+
+``tests/test_microbatch.py`` reads the compiled HLO with
+:func:`optax_accum.testing.count_collectives` and fails if a reduction moves
+into the loop body. See ``docs/in_step.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+
+
+def resolve(axis_name: Any, batch: PyTree) -> tuple[str | None, tuple[str, ...], Any]:
+  """Which reduction ``axis_name`` asks for: ``(mode, axes, mesh)``.
+
+  ``mode`` is ``None`` (no ``axis_name``), ``'shard_map'`` (every axis is
+  manual: we are inside ``jax.shard_map``) or ``'jit'`` (the axes are Auto or
+  Explicit axes of the current mesh, or of the batch's Explicit sharding).
+
+  Raises:
+    ValueError: an axis is not in the mesh, no mesh is set, or the axes mix
+      manual and non-manual types.
+  """
+  if axis_name is None:
+    return None, (), None
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  if not axes or not all(isinstance(a, str) for a in axes):
+    raise TypeError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}.")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:  # jit without set_mesh: an Explicit-sharded batch still names its mesh
+    for leaf in jax.tree.leaves(batch):
+      sharding = getattr(jax.typeof(leaf), "sharding", None)
+      if isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types:
+        mesh = sharding.mesh
+        break
+  missing = [a for a in axes if mesh.empty or a not in mesh.shape]
+  if missing:
+    raise ValueError(
+      f"axis_name={axis_name!r}: the mesh {dict(mesh.shape)} has no axis {missing}. Call the "
+      "function inside jax.shard_map over that axis, or under jax.jit inside "
+      "`with jax.set_mesh(mesh):` with the batch sharded over it."
+    )
+  manual = [a in mesh.manual_axes for a in axes]
+  if all(manual):
+    return "shard_map", axes, mesh
+  if any(manual):
+    raise ValueError(
+      f"axis_name={axis_name!r} mixes shard_map (manual) axes and jit axes; pass only the "
+      f"manual ones {tuple(a for a, m in zip(axes, manual, strict=True) if m)}."
+    )
+  return "jit", axes, mesh
+
+
+def num_lanes(mesh: Any, axes: tuple[str, ...]) -> int:
+  """``D``: the number of devices along ``axes`` (their product)."""
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _explicit(mesh: Any, axes: tuple[str, ...]) -> bool:
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  return all(types[a] == AxisType.Explicit for a in axes)
+
+
+def constrain(x: jax.Array, mesh: Any, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """``x`` with dimension ``dim`` sharded over ``axes`` (the other dimensions left as they are).
+
+  Explicit axes: ``jax.sharding.reshard`` (the type changes). Auto axes:
+  ``jax.lax.with_sharding_constraint`` with the other dimensions unconstrained.
+  """
+  if _explicit(mesh, axes):
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    spec = list(spec) + [None] * (x.ndim - len(spec))
+    used = set(axes)
+    spec = [None if _names(s) & used else s for s in spec]  # an axis shards one dimension
+    spec[dim] = axes if len(axes) > 1 else axes[0]
+    return jax.sharding.reshard(x, NamedSharding(mesh, P(*spec)))
+  spec = [P.UNCONSTRAINED] * x.ndim
+  spec[dim] = axes if len(axes) > 1 else axes[0]
+  return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def _names(entry: Any) -> set[str]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return set()
+  return {entry} if isinstance(entry, str) else set(entry)
+
+
+def split_lanes(
+  batch: PyTree, k: int, lanes: int, mesh: Any, axes: tuple[str, ...], strided: bool
+) -> PyTree:
+  """Cuts every leaf ``[B, ...]`` into ``[K, D, B/(K*D), ...]``: microbatch, lane, rows.
+
+  Strided: microbatch ``k`` holds rows ``k, k+K, ...`` (as :func:`split_batch`)
+  and lane ``d`` holds those of device ``d``'s block ``d*B/D ... (d+1)*B/D - 1``,
+  so with the batch sharded over ``axes`` no row moves. Contiguous: microbatch
+  ``k`` holds rows ``k*B/K ...`` cut into ``D`` lanes (rows move between devices).
+
+  Raises:
+    ValueError: if ``B`` is not divisible by ``K * D``.
+  """
+  n = jax.tree.leaves(batch)[0].shape[0]
+  if n % (k * lanes):
+    raise ValueError(
+      f"The batch has {n} rows, which is not divisible by num_microbatches * devices = "
+      f"{k} * {lanes} along axis_name {axes}. Use a batch of a multiple of {k * lanes} rows "
+      "(pad it with weight-0 rows, e.g. mask=0)."
+    )
+  m = n // (k * lanes)
+
+  def split(x):
+    x = jnp.asarray(x)
+    if strided:  # [D, m, K, ...] keeps each device's block on its device
+      y = jnp.moveaxis(_reshape(x, (lanes, m, k) + x.shape[1:], mesh, axes, 0), 2, 0)
+    else:
+      y = _reshape(x, (k, lanes, m) + x.shape[1:], mesh, axes, 1)
+    return constrain(y, mesh, axes, 1)
+
+  return jax.tree.map(split, batch)
+
+
+def _reshape(x: jax.Array, shape: tuple[int, ...], mesh: Any, axes: tuple[str, ...], dim: int):
+  if not _explicit(mesh, axes):
+    return x.reshape(shape)
+  spec = [None] * len(shape)
+  spec[dim] = axes if len(axes) > 1 else axes[0]
+  return jax.lax.reshape(x, shape, out_sharding=NamedSharding(mesh, P(*spec)))
+
+
+def carry_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...], lanes: int):
+  """Zeros shaped like ``struct`` (a ``jax.eval_shape`` result) in ``dtype``, typed like it.
+
+  With lanes, dimension 0 (``D``) is sharded over ``axes``. Inside
+  ``shard_map`` with ``check_vma=True`` the zeros vary over the same manual
+  axes as ``struct`` does, so a device-varying sum has a device-varying
+  start (``lax.scan`` requires equal carry types).
+  """
+  sharding = getattr(struct, "sharding", None)
+  if not lanes:
+    x = jnp.zeros(struct.shape, dtype)
+  elif _explicit(mesh, axes) and isinstance(sharding, NamedSharding):
+    x = jnp.zeros(struct.shape, dtype, out_sharding=sharding)
+  else:
+    x = constrain(jnp.zeros(struct.shape, dtype), mesh, axes, 0)
+  varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
+  return jax.lax.pcast(x, tuple(sorted(varying)), to="varying") if varying else x
+
+
+def like_params(grads: PyTree, params: PyTree) -> PyTree:
+  """Each gradient leaf resharded like its param where the param has an Explicit sharding."""
+
+  def place(g, p):
+    sharding = getattr(jax.typeof(p), "sharding", None)
+    if isinstance(sharding, NamedSharding) and getattr(jax.typeof(g), "sharding", None) != sharding:
+      if any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+        return jax.sharding.reshard(g, sharding)
+    return g
+
+  return jax.tree.map(place, grads, params)
+
+
+def gather_over(params: PyTree, mesh: Any, axes: tuple[str, ...]) -> PyTree:
+  """Params with Explicit shardings over ``axes`` gathered along them (once, before the scan).
+
+  Inside the lane ``vmap`` the lane dimension is sharded over ``axes``, so a
+  param (FSDP) sharded over the same axes would shard one product twice.
+  Each device's partial sum is gradient-sized anyway; Auto axes are left to
+  the compiler, which gathers them before the loop too.
+  """
+  if not _explicit(mesh, axes):
+    return params
+  used = set(axes)
+
+  def gather(p):
+    sharding = getattr(jax.typeof(p), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or not any(_names(s) & used for s in spec):
+      return p
+    kept = [None if _names(s) & used else s for s in spec]
+    return jax.sharding.reshard(p, NamedSharding(sharding.mesh, P(*kept)))
+
+  return jax.tree.map(gather, params)
+
+
+def to_varying(params: PyTree, axes: tuple[str, ...]) -> PyTree:
+  """Params cast to device-varying over ``axes`` (leaves that already vary stay as they are).
+
+  Under ``shard_map``'s ``check_vma=True`` a replicated input is
+  device-invariant and ``jax.grad`` with respect to it ``psum``-s the gradient
+  (the transpose of the implicit broadcast) on every microbatch. Differentiating
+  the varying copy keeps each device's gradient local until :func:`psum_sums`.
+  """
+
+  def cast(x):
+    try:
+      return jax.lax.pcast(x, axes, to="varying")
+    except ValueError:  # already varying over these axes
+      return x
+
+  return jax.tree.map(cast, params)
+
+
+def psum_sums(sums: PyTree, axes: tuple[str, ...]) -> PyTree:
+  """One ``psum`` of all the scan's sums (a single variadic all-reduce)."""
+  return jax.lax.psum(sums, axes if len(axes) > 1 else axes[0])
+
+
+def lane_indices(lanes: int, mesh: Any, axes: tuple[str, ...]) -> jax.Array:
+  """``[0, ..., D-1]`` sharded over ``axes``: lane ``d``'s index, on device ``d``.
+
+  Folded into a ``key``, so each lane draws its own dropout masks.
+  """
+  return constrain(jnp.arange(lanes, dtype=np.int32), mesh, axes, 0)
+
+
+def lane_mean(aux: PyTree, w: jax.Array) -> PyTree:
+  """Per-microbatch weighted mean over the lanes of ``[K, D, ...]`` leaves, weights ``[K, D]``.
+
+  ``aux_mode='stack'`` under ``jit``: microbatch ``k``'s aux combined like its
+  loss (a weight-0 lane adds nothing, even a NaN; an all-zero microbatch gives 0).
+  Integer leaves come back as float32.
+  """
+  wsum = w.sum(1)
+
+  def mean(x):
+    dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32
+    x = x.astype(jnp.promote_types(dtype, jnp.float32))
+    ww = w.astype(x.dtype).reshape(w.shape + (1,) * (x.ndim - 2))
+    total = jnp.where(ww != 0, ww * x, jnp.zeros((), x.dtype)).sum(1)
+    ws = wsum.astype(x.dtype).reshape(wsum.shape + (1,) * (x.ndim - 2))
+    return total / jnp.where(ws != 0, ws, jnp.ones_like(ws))
+
+  return jax.tree.map(mean, aux)

@@ -10,6 +10,8 @@ is taken (once per window at :func:`optax_accum.accumulate`'s boundary); one
 elsewhere runs once per call. The format is XLA's and can change between
 releases: ``tests/test_testing.py`` checks the parser on programs whose counts
 are known.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 ``optax_accum.<old name>`` still works and warns with the new spelling
 (CHANGELOG.md, "Deprecated"). Nothing in the package uses these.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ see https://pytorch.org/docs/stable/amp.html#gradient-scaling), with two
 differences: the growth interval counts applied *windows* (not calls), and the
 scale has a floor and a ceiling (PyTorch has neither, so its scale can grow to
 ``inf`` and then skip every window).
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ The sums and the division are :mod:`optax_accum._numerics`'s
 (``weighted_add``, ``guarded_divide``, ``accumulator_dtype``, ``check_weight``),
 the same code the across-step :func:`optax_accum.accumulate` runs, so both
 paths round the same way and an empty (all-padding) batch gives zeros, not NaN.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

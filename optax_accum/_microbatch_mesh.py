@@ -22,6 +22,8 @@ microbatches and reduces them once, after the ``lax.scan``:
 ``tests/test_microbatch.py`` reads the compiled HLO with
 :func:`optax_accum.testing.count_collectives` and fails if a reduction moves
 into the loop body. See ``docs/in_step.md``.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ configured differently. Orbax casts restored leaves to the target's dtypes
 without a word, and a different ``every_k`` would close the restored window at
 the wrong length. :func:`check_compatible` compares a restored state, or a
 checkpoint's metadata, with ``tx.init(params)`` and says what differs.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""``scaled_value_and_grad``: differentiate the loss times the current loss scale."""
+"""``scaled_value_and_grad``: differentiate the loss times the current loss scale.
+
+See docs/design.md for the module map.
+"""
 
 from __future__ import annotations
 

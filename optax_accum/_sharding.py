@@ -17,6 +17,8 @@ Two ways to scale :func:`optax_accum.accumulate` out over a device mesh:
   ``shard_map`` body :func:`local_state` and :func:`stacked_state` drop and
   restore that axis. Everything else in the state is identical on every device
   and is replicated.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

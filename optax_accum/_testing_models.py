@@ -1,6 +1,8 @@
 """Small deterministic models and data for tests and examples (``optax_accum.testing``).
 
 Fixed seeds, tiny sizes. Flax is imported only inside the functions that need it.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ mean, a wrong ``weight``, and batch-dependent layers (BatchNorm).
 
 It also offers small deterministic models and data (fixed seeds), for tests
 and examples. Flax is imported only inside the functions that need it.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ counter and close or drop the open window in place.
 
 Linen: :class:`TrainState` forwards ``weight``/``flush``, takes the fused path
 and counts applied updates in ``step``.
+
+See docs/design.md for the module map.
 """
 
 from optax_accum.flax._linen import TrainState

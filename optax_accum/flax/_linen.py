@@ -9,6 +9,8 @@ fused path (:func:`optax_accum.update_and_apply`: no update buffer, params
 untouched between boundaries). Code written
 for Flax's class keeps working: without ``weight`` every microbatch weighs 1,
 which is exact when the microbatches have equal sizes.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ also gives correct results (its ``update`` is ``tx.update`` +
 boundaries, docs/performance.md); its ``step`` counts *microbatches*, so read
 :func:`num_updates` for schedules, EMA, evaluation and checkpoints, and use
 :func:`flush` / :func:`discard` to close or drop its open window in place.
+
+See docs/design.md for the module map.
 """
 
 from __future__ import annotations

@@ -29,6 +29,16 @@ from optax_accum._train_step import apply_if_updated, update_and_apply
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+  """Imports the ``testing`` submodule on first use: ``optax_accum.testing.check_equivalence``."""
+  if name == "testing":
+    import importlib
+
+    return importlib.import_module("optax_accum.testing")
+  raise AttributeError(f"module 'optax_accum' has no attribute {name!r}")
+
+
 __all__ = [
   "AccumulationState",
   "DynamicLossScale",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _checks, _numerics, _window
+from optax_accum import _checks, _numerics, _window, pitfalls
 from optax_accum._loss_scale import LossScale
 
 PyTree = Any
@@ -235,7 +235,7 @@ def accumulate(
       loss_scale=jnp.asarray(initial_scale, jnp.float32),
       growth_streak=zero_i(),
       every_k=jnp.asarray(every_k_fp, jnp.int32),
-      inner_state=inner.init(params),
+      inner_state=pitfalls.check_inner_state(inner.init(params)),
     )
 
   def update_fn(grads, state, params=None, *, weight=1, flush=False, **extra_args):

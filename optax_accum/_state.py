@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optax_accum import pitfalls
 from optax_accum._accumulate import WINDOW_FIELDS, AccumulationState
 
 PyTree = Any
@@ -148,6 +149,7 @@ def metrics(opt_state: PyTree) -> Metrics:
     >>> int(m.mini_step), int(m.num_updates), float(m.pending_weight)
     (1, 0, 7.0)
   """
+  pitfalls.check_state(opt_state)
   s = find_state(opt_state)
   return Metrics(
     mini_step=s.mini_step,

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import optax
 
+from optax_accum import pitfalls
 from optax_accum._accumulate import _APPLY_TO_PARAMS, AccumulationState
 from optax_accum._state import metrics
 
@@ -144,5 +145,6 @@ def update_and_apply(
   """
   if isinstance(opt_state, AccumulationState):
     return tx.update(grads, opt_state, params, **{_APPLY_TO_PARAMS: True}, **extra_args)
+  pitfalls.check_transformation(tx)  # a clip before accumulate; the state is checked by metrics
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return apply_if_updated(params, updates, opt_state), opt_state

@@ -18,6 +18,7 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from optax_accum import pitfalls
 from optax_accum._accumulate import flush as _flush_state
 from optax_accum._state import discard as _discard_state
 from optax_accum._state import find_states
@@ -78,6 +79,7 @@ class TrainState(train_state.TrainState):
     owg = grads is not None and OVERWRITE_WITH_GRADIENT in grads
     params = self.params["params"] if owg else self.params
     grads_opt = None if grads is None else (grads["params"] if owg else grads)
+    pitfalls.check(self.tx, self.opt_state)
     updates, new_opt_state = updates_fn(grads_opt, params)
     new_params = optax.apply_updates(params, updates)
     if owg:

@@ -21,6 +21,7 @@ import jax
 import optax
 from flax import nnx
 
+from optax_accum import pitfalls
 from optax_accum._accumulate import flush as _flush_state
 from optax_accum._state import discard as _discard_state
 from optax_accum._state import metrics as _metrics
@@ -60,6 +61,7 @@ def num_updates(optimizer: nnx.Optimizer) -> jax.Array:
     >>> int(opt.step[...]), int(optax_accum.flax.num_updates(opt))  # microbatches, updates
     (3, 1)
   """
+  pitfalls.check_transformation(optimizer.tx)
   return _metrics(optimizer.opt_state).num_updates
 
 
@@ -104,6 +106,7 @@ def flush(optimizer: nnx.Optimizer, model: Any, **extra_args: Any) -> optax.Upda
   graph = _graph(optimizer)
   params = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
   opt_state = nnx.as_pure(optimizer.opt_state)
+  pitfalls.check(optimizer.tx, opt_state)
   updates, new_opt_state = _flush_state(optimizer.tx, opt_state, params, **nnx.as_pure(extra_args))
   nnx.update(model, optax.apply_updates(params, updates))
   nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=graph))

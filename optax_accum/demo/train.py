@@ -155,6 +155,47 @@ def _write(out: TextIO | None, text: str = "") -> None:
     print(text, file=out, flush=True)
 
 
+def _is_tty(stream: Any) -> bool:
+  return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def planned_microbatches(config: DemoConfig, epoch_length: int) -> int:
+  """The microbatches a run of ``config.updates`` updates consumes.
+
+  Each epoch of ``epoch_length`` microbatches ends with a flushed window, so it
+  holds ``ceil(epoch_length / every_k)`` windows; the run stops right after its
+  last update.
+
+  Args:
+    config: ``updates`` and ``every_k``.
+    epoch_length: microbatches per epoch.
+
+  Returns:
+    The number of microbatches (training steps) of the run.
+
+  Examples:
+    >>> planned_microbatches(DemoConfig(every_k=4, updates=5), epoch_length=10)  # 4+4+2, 4+4
+    18
+    >>> planned_microbatches(DemoConfig(every_k=1_000_000, updates=3), epoch_length=10)
+    30
+  """
+  windows_per_epoch = -(-epoch_length // config.every_k)
+  full_epochs, rest = divmod(config.updates, windows_per_epoch)
+  return full_epochs * epoch_length + min(rest * config.every_k, epoch_length)
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 120:
+    return f"{seconds:.0f} s"
+  return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+# A run estimated to take longer than this gets a warning line.
+LONG_RUN_SECONDS = 30 * 60
+# Without a terminal, progress is a plain line about this often (in updates: a tenth of the run).
+PROGRESS_LINES = 10
+
+
 def train(
   config: DemoConfig,
   *,
@@ -177,7 +218,9 @@ def train(
   Args:
     config: sizes and hyperparameters.
     out: where to print the report (``None``: silent).
-    progress: show a tqdm bar (on stderr) over updates with loss and tokens/s.
+    progress: show progress over updates with loss and tokens/s: a tqdm bar
+      (on stderr) when stdout and stderr are terminals, else a plain line to
+      ``out`` every tenth of the run.
     check: run :func:`preflight` first.
     inner: the optimizer to wrap; default :func:`make_inner` (AdamW).
 
@@ -242,10 +285,19 @@ def train(
   step = _make_step(graphdef).lower(state, epoch[0], np.bool_(False)).compile()
 
   eval_before = _evaluate(loss_sum_and_tokens, state, eval_batches)
-  _write(out, f"\nTraining: {config.updates} updates; held-out loss before: {eval_before:.4f}")
+  planned = planned_microbatches(config, len(epoch))
+  _write(
+    out,
+    f"\nTraining: {config.updates} updates = {planned:,} microbatches "
+    f"({planned / len(epoch):.1f} epochs of {len(epoch):,}); held-out loss before: "
+    f"{eval_before:.4f}",
+  )
 
   t0 = last_postfix = time.perf_counter()
-  bar = tqdm(total=config.updates, unit="update", disable=not progress, file=sys.stderr)
+  use_bar = progress and _is_tty(sys.stderr) and _is_tty(sys.stdout)
+  lines_every = max(1, config.updates // PROGRESS_LINES) if progress and not use_bar else 0
+  bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
+  estimated = False
   window_losses, tokens, flushed, num_updates = [], 0, 0, 0
   pending = 0  # microbatches in the open window (a host-side mirror of mini_step)
   while num_updates < config.updates:
@@ -262,7 +314,29 @@ def train(
       window_losses.append(m.window_loss)
       new_updates = int(m.num_updates)  # waits for this step: one sync per window
       bar.update(new_updates - num_updates)
+      if lines_every and new_updates // lines_every > num_updates // lines_every:
+        elapsed = time.perf_counter() - t0
+        _write(
+          out,
+          f"update {new_updates}/{config.updates}: loss {float(m.window_loss):.3f}, "
+          f"{tokens / elapsed:,.0f} tokens/s, {_duration(elapsed)} elapsed",
+        )
       num_updates = new_updates
+      if not estimated:  # after the first timed window (the step was compiled before t0)
+        estimated = True
+        done = int(m.num_microbatches)
+        estimate = (time.perf_counter() - t0) / done * planned
+        _write(
+          out,
+          f"first window: {done} microbatches in {_duration(time.perf_counter() - t0)}; "
+          f"estimated training time {_duration(estimate)} for {planned:,} microbatches",
+        )
+        if estimate > LONG_RUN_SECONDS:
+          _write(
+            out,
+            f"warning: a long run (about {_duration(estimate)}); Ctrl-C stops it, --quick or "
+            "smaller --updates / --every-k make it shorter",
+          )
       if time.perf_counter() - last_postfix > 0.5:
         last_postfix = time.perf_counter()
         rate = tokens / (last_postfix - t0)

@@ -14,7 +14,16 @@ Linen: :class:`TrainState` forwards ``weight``/``flush`` and counts applied
 updates in ``step``.
 """
 
-from optax_accum.flax._linen import TrainState
-from optax_accum.flax._nnx import discard, flush, num_updates
+try:
+  import flax  # noqa: F401 - only to say what to install
+except ModuleNotFoundError as e:
+  raise ModuleNotFoundError(
+    'optax_accum.flax needs Flax: pip install "optax_accum[flax]" '
+    '(from a clone of the repository: pip install -e ".[flax]")',
+    name=e.name,
+  ) from e
+
+from optax_accum.flax._linen import TrainState  # noqa: E402
+from optax_accum.flax._nnx import discard, flush, num_updates  # noqa: E402
 
 __all__ = ["TrainState", "discard", "flush", "num_updates"]

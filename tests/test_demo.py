@@ -131,7 +131,15 @@ def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress
 
   monkeypatch.setattr(demo, "LONG_RUN_SECONDS", 0.0)  # any run is "long": the warning shows
   cfg = demo.DemoConfig(
-    microbatch_size=4, every_k=3, updates=12, seq_len=8, dim=8, depth=1, heads=2, max_files=1
+    microbatch_size=4,
+    every_k=3,
+    updates=12,
+    seq_len=8,
+    dim=8,
+    depth=1,
+    heads=2,
+    max_files=1,
+    eval_lines=8,
   )
   buf = io.StringIO()  # not a terminal
   result = demo.train(cfg, out=buf, progress=True, check=False)
@@ -139,8 +147,8 @@ def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress
   assert "\r" not in text
   (planned,) = _number(r"updates = ([\d,]+) microbatches", text)
   assert planned == result.metrics["num_microbatches"]
-  (first,) = _number(r"first window: (\d+) microbatches in", text)
-  assert first == cfg.every_k
+  (timed,) = _number(r"timing: (\d+) microbatches in", text)
+  assert timed == cfg.every_k - 1  # from the end of the first microbatch to the window's end
   assert "estimated training time" in text and "warning: a long run" in text
   lines = re.findall(r"^update (\d+)/12: loss", text, flags=re.M)
   assert [int(n) for n in lines] == list(range(1, 13))  # updates // 10 = 1: every update

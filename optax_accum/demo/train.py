@@ -41,6 +41,7 @@ from optax_accum.demo.setup import (  # noqa: F401 - re-exported for `train.QUIC
   make_inner,
   make_model,
   microbatches,
+  planned_microbatches,
   split_lines,
 )
 from optax_accum.testing import EquivalenceReport, check_equivalence
@@ -159,35 +160,33 @@ def _is_tty(stream: Any) -> bool:
   return bool(getattr(stream, "isatty", lambda: False)())
 
 
-def planned_microbatches(config: DemoConfig, epoch_length: int) -> int:
-  """The microbatches a run of ``config.updates`` updates consumes.
-
-  Each epoch of ``epoch_length`` microbatches ends with a flushed window, so it
-  holds ``ceil(epoch_length / every_k)`` windows; the run stops right after its
-  last update.
-
-  Args:
-    config: ``updates`` and ``every_k``.
-    epoch_length: microbatches per epoch.
-
-  Returns:
-    The number of microbatches (training steps) of the run.
-
-  Examples:
-    >>> planned_microbatches(DemoConfig(every_k=4, updates=5), epoch_length=10)  # 4+4+2, 4+4
-    18
-    >>> planned_microbatches(DemoConfig(every_k=1_000_000, updates=3), epoch_length=10)
-    30
-  """
-  windows_per_epoch = -(-epoch_length // config.every_k)
-  full_epochs, rest = divmod(config.updates, windows_per_epoch)
-  return full_epochs * epoch_length + min(rest * config.every_k, epoch_length)
-
-
 def _duration(seconds: float) -> str:
   if seconds < 120:
     return f"{seconds:.0f} s"
   return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _since(mark: tuple[float, int]) -> float:
+  return time.perf_counter() - mark[0]
+
+
+def _estimate(
+  out: TextIO | None, elapsed: float, mark: tuple[float, int], done: int, planned: int
+) -> None:
+  """Prints the estimated training time from ``done - mark[1]`` microbatches timed since mark."""
+  per_microbatch = _since(mark) / (done - mark[1])
+  estimate = elapsed + per_microbatch * (planned - done)
+  _write(
+    out,
+    f"timing: {done - mark[1]} microbatches in {_since(mark):.1f} s; estimated training time "
+    f"{_duration(estimate)} for {planned:,} microbatches",
+  )
+  if estimate > LONG_RUN_SECONDS:
+    _write(
+      out,
+      f"warning: a long run (about {_duration(estimate)}); Ctrl-C stops it, --quick or "
+      "smaller --updates / --every-k make it shorter",
+    )
 
 
 # A run estimated to take longer than this gets a warning line.
@@ -297,15 +296,25 @@ def train(
   use_bar = progress and _is_tty(sys.stderr) and _is_tty(sys.stdout)
   lines_every = max(1, config.updates // PROGRESS_LINES) if progress and not use_bar else 0
   bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
-  estimated = False
   window_losses, tokens, flushed, num_updates = [], 0, 0, 0
   pending = 0  # microbatches in the open window (a host-side mirror of mini_step)
+  done, mark = 0, None  # microbatches run; (time, done) when the timing started
   while num_updates < config.updates:
     for i, mb in enumerate(epoch):
       last = i == len(epoch) - 1
       state, m = step(state, mb, np.bool_(last))
       tokens += int(mb["mask"].sum())
       pending += 1
+      done += 1
+      # Time from the end of the first microbatch (one-time costs) to the end of the first
+      # window, or 10 s if that window is long; then estimate the run once.
+      if mark is None or (mark and (pending >= config.every_k or last or _since(mark) > 10)):
+        jax.block_until_ready(m.num_updates)
+        if mark is None:
+          mark = (time.perf_counter(), done)
+        elif done > mark[1]:
+          _estimate(out, time.perf_counter() - t0, mark, done, planned)
+          mark = False
       if pending < config.every_k and not last:
         continue
       # A window closed (after every_k microbatches, or flushed at the epoch's end).
@@ -322,21 +331,6 @@ def train(
           f"{tokens / elapsed:,.0f} tokens/s, {_duration(elapsed)} elapsed",
         )
       num_updates = new_updates
-      if not estimated:  # after the first timed window (the step was compiled before t0)
-        estimated = True
-        done = int(m.num_microbatches)
-        estimate = (time.perf_counter() - t0) / done * planned
-        _write(
-          out,
-          f"first window: {done} microbatches in {_duration(time.perf_counter() - t0)}; "
-          f"estimated training time {_duration(estimate)} for {planned:,} microbatches",
-        )
-        if estimate > LONG_RUN_SECONDS:
-          _write(
-            out,
-            f"warning: a long run (about {_duration(estimate)}); Ctrl-C stops it, --quick or "
-            "smaller --updates / --every-k make it shorter",
-          )
       if time.perf_counter() - last_postfix > 0.5:
         last_postfix = time.perf_counter()
         rate = tokens / (last_postfix - t0)

@@ -130,6 +130,7 @@ def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress
   import io
 
   monkeypatch.setattr(demo, "LONG_RUN_SECONDS", 0.0)  # any run is "long": the warning shows
+  monkeypatch.setattr(demo, "TIMING_SECONDS", 0.0)  # estimate at the first window's end
   cfg = demo.DemoConfig(
     microbatch_size=4,
     every_k=3,

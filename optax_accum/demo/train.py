@@ -189,6 +189,9 @@ def _estimate(
     )
 
 
+# The run-time estimate times at least TIMING_SECONDS (to a window's end), at most
+# TIMING_MAX_SECONDS.
+TIMING_SECONDS, TIMING_MAX_SECONDS = 1.0, 10.0
 # A run estimated to take longer than this gets a warning line.
 LONG_RUN_SECONDS = 30 * 60
 # Without a terminal, progress is a plain line about this often (in updates: a tenth of the run).
@@ -307,14 +310,17 @@ def train(
       pending += 1
       done += 1
       # Time from the end of the first microbatch (one-time costs) to the end of the first
-      # window, or 10 s if that window is long; then estimate the run once.
-      if mark is None or (mark and (pending >= config.every_k or last or _since(mark) > 10)):
+      # window that ends TIMING_SECONDS later, or for TIMING_MAX_SECONDS; then estimate once.
+      closes = pending >= config.every_k or last
+      if mark is None:
         jax.block_until_ready(m.num_updates)
-        if mark is None:
-          mark = (time.perf_counter(), done)
-        elif done > mark[1]:
-          _estimate(out, time.perf_counter() - t0, mark, done, planned)
-          mark = False
+        mark = (time.perf_counter(), done)
+      elif mark and (
+        closes and _since(mark) >= TIMING_SECONDS or _since(mark) > TIMING_MAX_SECONDS
+      ):
+        jax.block_until_ready(m.num_updates)
+        _estimate(out, time.perf_counter() - t0, mark, done, planned)
+        mark = False
       if pending < config.every_k and not last:
         continue
       # A window closed (after every_k microbatches, or flushed at the epoch's end).

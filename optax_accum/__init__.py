@@ -28,6 +28,7 @@ from optax_accum._train_step import update_and_apply
 
 __version__ = "0.2.0"
 
+
 __all__ = [
   "AccumulationState",
   "Metrics",

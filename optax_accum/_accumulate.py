@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _buffers, _checks, _numerics
+from optax_accum import _buffers, _checks, _numerics, pitfalls
 from optax_accum._loss_scale import LossScale
 from optax_accum._state import AccumulationState
 
@@ -223,7 +223,7 @@ def _init(config: _Config, params: PyTree) -> AccumulationState:
     loss_scale=jnp.asarray(initial_scale, jnp.float32),
     growth_streak=zero_i(),
     every_k=jnp.asarray(config.every_k_fp, jnp.int32),
-    inner_state=config.inner.init(params),
+    inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
   )
 
 

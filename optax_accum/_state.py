@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _numerics
+from optax_accum import _numerics, pitfalls
 
 PyTree = Any
 
@@ -218,6 +218,7 @@ def metrics(opt_state: PyTree) -> Metrics:
     >>> int(m.mini_step), int(m.num_updates), float(m.pending_weight)
     (1, 0, 7.0)
   """
+  pitfalls.check_state(opt_state, AccumulationState)
   s = find_state(opt_state)
   return Metrics(
     mini_step=s.mini_step,

@@ -15,6 +15,7 @@ from typing import Any
 
 import optax
 
+from optax_accum import pitfalls
 from optax_accum._accumulate import fused_update
 
 PyTree = Any
@@ -81,5 +82,6 @@ def update_and_apply(
   fused = fused_update(tx)
   if fused is not None:
     return fused(grads, opt_state, params, **extra_args)
+  pitfalls.check_transformation(tx)  # a clip before accumulate; metrics checks the state
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state

@@ -83,13 +83,76 @@ def test_train_equals_physical_batches_with_epoch_end_flush():
   assert gap > 1e-4
 
 
-def test_cli_rejects_bad_options(capsys):
+def test_cli_rejects_bad_options_with_the_demo_usage(capsys):
   with pytest.raises(SystemExit) as e:
     main(["demo", "--updates", "0"])
   assert e.value.code == 2
-  assert "--updates must be >= 1" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert err.startswith("usage: optax-accum demo ")
+  assert "optax-accum demo: error: --updates must be >= 1, got 0" in err
   with pytest.raises(SystemExit):
     main([])
+
+
+def test_cli_help_shows_the_defaults_of_both_configurations(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["demo", "--help"])
+  assert e.value.code == 0
+  text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+  full, quick = demo.DemoConfig(), demo.QUICK
+  assert f"lines per microbatch (default: {full.microbatch_size}; {quick.microbatch_size} with" in (
+    text
+  )
+  assert f"(the window) (default: {full.every_k})" in text  # the same in both
+  assert f"(default: {full.updates}; {quick.updates} with --quick)" in text
+
+
+def test_cli_top_level_help_is_plain_text_and_version_names_the_versions(capsys):
+  import importlib.metadata
+
+  import optax_accum
+
+  with pytest.raises(SystemExit):
+    main(["--help"])
+  out = capsys.readouterr().out
+  assert "demo" in out and "``" not in out and ":func:" not in out
+  with pytest.raises(SystemExit) as e:
+    main(["--version"])
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f"optax-accum {optax_accum.__version__} ")
+  assert f"jax {importlib.metadata.version('jax')}" in out
+
+
+def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress_lines(
+  monkeypatch,
+):
+  import io
+
+  monkeypatch.setattr(demo, "LONG_RUN_SECONDS", 0.0)  # any run is "long": the warning shows
+  monkeypatch.setattr(demo, "TIMING_SECONDS", 0.0)  # estimate at the first window's end
+  cfg = demo.DemoConfig(
+    microbatch_size=4,
+    every_k=3,
+    updates=12,
+    seq_len=8,
+    dim=8,
+    depth=1,
+    heads=2,
+    max_files=1,
+    eval_lines=8,
+  )
+  buf = io.StringIO()  # not a terminal
+  result = demo.train(cfg, out=buf, progress=True, check=False)
+  text = buf.getvalue()
+  assert "\r" not in text
+  (planned,) = _number(r"updates = ([\d,]+) microbatches", text)
+  assert planned == result.metrics["num_microbatches"]
+  (timed,) = _number(r"timing: (\d+) microbatches in", text)
+  assert timed == cfg.every_k - 1  # from the end of the first microbatch to the window's end
+  assert "estimated training time" in text and "warning: a long run" in text
+  lines = re.findall(r"^update (\d+)/12: loss", text, flags=re.M)
+  assert [int(n) for n in lines] == list(range(1, 13))  # updates // 10 = 1: every update
 
 
 def _number(pattern, text):
@@ -126,8 +189,11 @@ def test_quick_demo_runs_and_learns():
   assert len(set(per_row.sum(axis=1))) > 1  # microbatches hold different numbers of tokens
   assert "updates applied: 1" in out
 
-  # Training: the progress bar, the loss drops, the metrics line.
-  assert "tok_s=" in proc.stderr
+  # Training: the plan, an estimate, plain progress lines (no terminal), the loss drops.
+  assert "\r" not in out  # no tqdm frames
+  (planned,) = _number(r"updates = ([\d,]+) microbatches", out)
+  assert "estimated training time" in out
+  assert len(re.findall(r"^update \d+/\d+: loss", out, flags=re.M)) == 10
   first, last = _number(r"training loss: (\S+) \(update 1\) -> (\S+)", out)
   before, after = _number(r"held-out loss: (\S+) -> (\S+) nats/byte", out)
   assert last < first - 1.0
@@ -140,4 +206,4 @@ def test_quick_demo_runs_and_learns():
   epoch = -(-len(train_lines) // cfg.microbatch_size)
   windows_per_epoch = -(-epoch // cfg.every_k)
   full_epochs, rest = divmod(cfg.updates, windows_per_epoch)
-  assert microbatches == full_epochs * epoch + rest * cfg.every_k
+  assert microbatches == full_epochs * epoch + rest * cfg.every_k == planned

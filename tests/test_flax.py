@@ -321,3 +321,23 @@ def test_import_optax_accum_does_not_need_flax():
     [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
   )
   assert out.stdout.strip() == "ok"
+
+
+def test_import_without_flax_says_which_extra_to_install():
+  code = (
+    "import sys\n"
+    "class NoFlax:\n"
+    "  def find_spec(self, name, path=None, target=None):\n"
+    "    if name == 'flax' or name.startswith('flax.'):\n"
+    "      raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+    "sys.meta_path.insert(0, NoFlax())\n"
+    "import optax_accum\n"  # works without flax
+    "try:\n"
+    "  import optax_accum.flax\n"
+    "except ModuleNotFoundError as e:\n"
+    "  print(e.name, '|', e)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  name, message = out.stdout.strip().split(" | ")
+  assert name == "flax"
+  assert 'pip install "optax_accum[flax]"' in message and 'pip install -e ".[flax]"' in message

@@ -65,3 +65,11 @@ def test_notebook_runs_in_smoke_mode(path, kernel_env):
     o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
   )
   assert "SMOKE=True" in outputs and "devices=8" in outputs
+
+
+def test_notebook_accelerator_matches_its_subject():
+  # Colab opens a notebook on the accelerator its metadata names: fp16 loss scaling is for GPUs.
+  expected = {"03_mixed_precision": "GPU", "04_tpu_scaling": "TPU"}
+  for path in NOTEBOOKS:
+    if path.stem in expected:
+      assert json.loads(path.read_text())["metadata"]["accelerator"] == expected[path.stem], path

@@ -1,49 +1,104 @@
-"""The README's Python examples run, and its example trains as it says."""
+"""The README's commands and links hold, and its Python blocks run in order as written.
 
-import pathlib
+The blocks run top to bottom in one fresh interpreter (8 fake CPU devices,
+warnings as errors), exactly as a reader would paste them; after some blocks a
+check recomputes what the block claims another way (full-batch ``jax.grad``
+and plain optax).
+"""
+
 import re
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+import pytest
+from _markdown import ROOT, python_blocks, run_blocks
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+README = ROOT / "README.md"
+URL = "https://github.com/optax-accum/optax_accum"
+
+# After block 1: 8 microbatches made 2 AdamW steps, each on the token mean of its 4 microbatches.
+CHECK_EXAMPLE = """
+ref = {"w": jnp.zeros(3)}
+ref_tx = optax.adamw(1e-3, weight_decay=1e-2)
+ref_state = ref_tx.init(ref)
+for w in range(2):
+  window = {k: np.concatenate([mb[k] for mb in microbatches[4 * w : 4 * w + 4]])
+            for k in microbatches[0]}
+  u, ref_state = ref_tx.update(jax.grad(loss_fn)(ref, window), ref_state, ref)
+  ref = optax.apply_updates(ref, u)
+np.testing.assert_allclose(params["w"], ref["w"], rtol=1e-5, atol=1e-8)
+assert abs(params["w"]).min() > 1e-4  # two real steps were taken
+"""
+# After block 2: the in-step helper returns what jax.value_and_grad of the whole batch does.
+CHECK_IN_STEP = """
+ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-7)
+"""
+# After the mixed-precision block: the gradient is of loss * scale, the loss unscaled.
+CHECK_SCALED = """
+scale = float(optax_accum.get_loss_scale(opt_state))
+assert scale > 1
+ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+np.testing.assert_allclose(grads["w"], scale * ref_grads["w"], rtol=1e-4)
+"""
+# After the scaling block: the state is placed like the params, the batch split 8 ways.
+CHECK_SHARDED = """
+assert len(batch["x"].sharding.device_set) == jax.device_count() == 8
+assert opt_state.acc["w"].sharding.is_equivalent_to(params["w"].sharding, 1)
+assert int(optax_accum.metrics(opt_state).mini_step) == 1
+"""
 
 
-def _python_blocks() -> list[str]:
-  text = (ROOT / "README.md").read_text()
-  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+def _commands():
+  block = re.search(r"```bash\n(.*?)```", README.read_text(), flags=re.S).group(1)
+  return [line for line in block.splitlines() if line and not line.startswith("#")]
 
 
-def test_readme_has_two_setup_commands_first():
-  text = (ROOT / "README.md").read_text()
-  first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
-  commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
-  assert commands == [
-    'pip install -e ".[flax]" && optax-accum demo',
-    'pip install -e ".[test]" && python -m pytest -n 2',
-  ]
-  ci = (ROOT / ".ci" / "run").read_text()
-  assert commands[1] in ci
+def test_readme_setup_commands_name_what_pyproject_and_ci_define():
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  commands = _commands()
+  assert len(commands) == 2  # install-and-run, install-and-test
+  for command in commands:
+    for extra in re.findall(r'pip install -e "\.\[(\w+)\]"', command):
+      assert extra in project["optional-dependencies"], command
+  assert commands[0].endswith("optax-accum demo") and "optax-accum" in project["scripts"]
+  assert commands[1] in (ROOT / ".ci" / "run").read_text()  # CI runs the documented command
 
 
-def test_readme_example_equals_one_physical_batch():
-  ns: dict = {}
-  exec(compile(_python_blocks()[0], "README.md", "exec"), ns)
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(4, 5, 3)).astype(np.float32)
-  y = rng.normal(size=(4, 5)).astype(np.float32)
-  mask = (rng.random((4, 5)) < 0.6).astype(np.float32)
-  mask[:, 0] = 1.0
-  params, opt_state = ns["params"], ns["opt_state"]
-  for i in range(4):
-    batch = {"x": jnp.asarray(x[i]), "y": jnp.asarray(y[i]), "mask": jnp.asarray(mask[i])}
-    params, opt_state = ns["train_step"](params, opt_state, batch)
-  # Reference: one AdamW step on the token mean over all 4 microbatches at once.
-  full = {"x": x.reshape(20, 3), "y": y.reshape(20), "mask": mask.reshape(20)}
-  grads = jax.grad(ns["loss_fn"])({"w": jnp.zeros(3)}, full)
-  ref_tx = optax.adamw(1e-3, weight_decay=1e-2)
-  zero = {"w": jnp.zeros(3)}
-  updates, _ = ref_tx.update(grads, ref_tx.init(zero), zero)
-  np.testing.assert_allclose(params["w"], updates["w"], rtol=1e-5, atol=1e-8)
+def test_project_urls_are_the_readme_clone_url():
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  assert f"git clone {URL}" in README.read_text()
+  urls = project["urls"]
+  assert {"Homepage", "Repository", "Documentation", "Issues", "Changelog"} <= set(urls)
+  assert all(u == URL or u.startswith(URL + "/") for u in urls.values()), urls
+  for name in ("docs", "CHANGELOG.md"):
+    assert (ROOT / name).exists() and any(u.endswith(name) for u in urls.values())
+  assert project["license"] == "Apache-2.0"
+  assert all((ROOT / f).is_file() for f in project["license-files"])
+
+
+@pytest.mark.slow  # compiles a few dozen small steps: about 20 s on 2 cores
+def test_readme_python_blocks_run_in_order(tmp_path):
+  blocks = python_blocks(README)
+  assert not any(sketch for _, sketch in blocks), "the README has no sketches: all of it runs"
+  code = [c for c, _ in blocks]
+  checks = [""] * len(code)
+  # Each check goes after the block that makes the claim it tests.
+  for marker, check in (
+    ("def train_step", CHECK_EXAMPLE),
+    ("microbatched_value_and_grad", CHECK_IN_STEP),
+    ("scaled_value_and_grad", CHECK_SCALED),
+    ("init_sharded", CHECK_SHARDED),
+  ):
+    i = next(i for i, c in enumerate(code) if marker in c)
+    checks[i] = check
+  out = run_blocks(README, code, checks, tmp_path)
+  assert out.count("ran]") == len(code)
+  # What the text says the blocks print.
+  assert "2 updates, 0 microbatches pending" in out
+  assert "optax_accum equivalence check: 4 microbatches" in out
+  grad = re.search(r"gradient, in-step +\S+ +(\S+)", out)
+  mean_of_means = re.search(r"mean of means would give \(grad\) +\S+ +(\S+)", out)
+  assert float(grad.group(1)) < 1e-5 < 1e-2 < float(mean_of_means.group(1))

@@ -230,3 +230,30 @@ def test_top_level_count_collectives_is_a_deprecated_alias():
   with pytest.warns(DeprecationWarning, match="optax_accum.testing.count_collectives"):
     counts = optax_accum.count_collectives(HAND_WRITTEN_HLO)
   assert counts == testing.count_collectives(HAND_WRITTEN_HLO)
+
+
+def test_testing_is_an_attribute_after_import_optax_accum_without_flax():
+  # The README spells it `optax_accum.testing.check_equivalence` after `import optax_accum`;
+  # a fresh interpreter where flax cannot be imported must still allow that.
+  import subprocess
+  import sys
+
+  code = (
+    "import sys\n"
+    "class NoFlax:\n"
+    "  def find_spec(self, name, path=None, target=None):\n"
+    "    if name == 'flax' or name.startswith('flax.'):\n"
+    "      raise ImportError('flax blocked')\n"
+    "sys.meta_path.insert(0, NoFlax())\n"
+    "import optax_accum\n"
+    "print(optax_accum.testing.check_equivalence.__name__, 'flax' in sys.modules)\n"
+    "try:\n"
+    "  optax_accum.no_such_name\n"
+    "except AttributeError as e:\n"
+    "  print(e)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.splitlines() == [
+    "check_equivalence False",
+    "module 'optax_accum' has no attribute 'no_such_name'",
+  ]

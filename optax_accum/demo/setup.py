@@ -100,6 +100,31 @@ def microbatches(lines: list[bytes], seq_len: int, size: int) -> list[Batch]:
   return [{k: v[i : i + size] for k, v in data.items()} for i in range(0, len(data["mask"]), size)]
 
 
+def planned_microbatches(config: DemoConfig, epoch_length: int) -> int:
+  """The microbatches a run of ``config.updates`` updates consumes.
+
+  Each epoch of ``epoch_length`` microbatches ends with a flushed window, so it
+  holds ``ceil(epoch_length / every_k)`` windows; the run stops right after its
+  last update.
+
+  Args:
+    config: ``updates`` and ``every_k``.
+    epoch_length: microbatches per epoch.
+
+  Returns:
+    The number of microbatches (training steps) of the run.
+
+  Examples:
+    >>> planned_microbatches(DemoConfig(every_k=4, updates=5), epoch_length=10)  # 4+4+2, 4+4
+    18
+    >>> planned_microbatches(DemoConfig(every_k=1_000_000, updates=3), epoch_length=10)
+    30
+  """
+  windows_per_epoch = -(-epoch_length // config.every_k)
+  full_epochs, rest = divmod(config.updates, windows_per_epoch)
+  return full_epochs * epoch_length + min(rest * config.every_k, epoch_length)
+
+
 def make_model(config: DemoConfig) -> CharTransformer:
   """The demo's :class:`~optax_accum.demo.model.CharTransformer`.
 

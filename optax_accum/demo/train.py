@@ -42,6 +42,7 @@ from optax_accum.demo.setup import (  # noqa: F401 - re-exported for `train.QUIC
   make_inner,
   make_model,
   microbatches,
+  planned_microbatches,
   split_lines,
 )
 from optax_accum.testing import EquivalenceReport, check_equivalence
@@ -156,6 +157,48 @@ def _write(out: TextIO | None, text: str = "") -> None:
     print(text, file=out, flush=True)
 
 
+def _is_tty(stream: Any) -> bool:
+  return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 120:
+    return f"{seconds:.0f} s"
+  return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _since(mark: tuple[float, int]) -> float:
+  return time.perf_counter() - mark[0]
+
+
+def _estimate(
+  out: TextIO | None, elapsed: float, mark: tuple[float, int], done: int, planned: int
+) -> None:
+  """Prints the estimated training time from ``done - mark[1]`` microbatches timed since mark."""
+  per_microbatch = _since(mark) / (done - mark[1])
+  estimate = elapsed + per_microbatch * (planned - done)
+  _write(
+    out,
+    f"timing: {done - mark[1]} microbatches in {_since(mark):.1f} s; estimated training time "
+    f"{_duration(estimate)} for {planned:,} microbatches",
+  )
+  if estimate > LONG_RUN_SECONDS:
+    _write(
+      out,
+      f"warning: a long run (about {_duration(estimate)}); Ctrl-C stops it, --quick or "
+      "smaller --updates / --every-k make it shorter",
+    )
+
+
+# The run-time estimate times at least TIMING_SECONDS (to a window's end), at most
+# TIMING_MAX_SECONDS.
+TIMING_SECONDS, TIMING_MAX_SECONDS = 1.0, 10.0
+# A run estimated to take longer than this gets a warning line.
+LONG_RUN_SECONDS = 30 * 60
+# Without a terminal, progress is a plain line about this often (in updates: a tenth of the run).
+PROGRESS_LINES = 10
+
+
 def train(
   config: DemoConfig,
   *,
@@ -178,7 +221,9 @@ def train(
   Args:
     config: sizes and hyperparameters.
     out: where to print the report (``None``: silent).
-    progress: show a tqdm bar (on stderr) over updates with loss and tokens/s.
+    progress: show progress over updates with loss and tokens/s: a tqdm bar
+      (on stderr) when stdout and stderr are terminals, else a plain line to
+      ``out`` every tenth of the run.
     check: run :func:`preflight` first.
     inner: the optimizer to wrap; default :func:`make_inner` (AdamW).
 
@@ -243,18 +288,40 @@ def train(
   step = _make_step(graphdef).lower(state, epoch[0], np.bool_(False)).compile()
 
   eval_before = _evaluate(loss_sum_and_tokens, state, eval_batches)
-  _write(out, f"\nTraining: {config.updates} updates; held-out loss before: {eval_before:.4f}")
+  planned = planned_microbatches(config, len(epoch))
+  _write(
+    out,
+    f"\nTraining: {config.updates} updates = {planned:,} microbatches "
+    f"({planned / len(epoch):.1f} epochs of {len(epoch):,}); held-out loss before: "
+    f"{eval_before:.4f}",
+  )
 
   t0 = last_postfix = time.perf_counter()
-  bar = tqdm(total=config.updates, unit="update", disable=not progress, file=sys.stderr)
+  use_bar = progress and _is_tty(sys.stderr) and _is_tty(sys.stdout)
+  lines_every = max(1, config.updates // PROGRESS_LINES) if progress and not use_bar else 0
+  bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
   window_losses, tokens, flushed, num_updates = [], 0, 0, 0
   pending = 0  # microbatches in the open window (a host-side mirror of mini_step)
+  done, mark = 0, None  # microbatches run; (time, done) when the timing started
   while num_updates < config.updates:
     for i, mb in enumerate(epoch):
       last = i == len(epoch) - 1
       state, m = step(state, mb, np.bool_(last))
       tokens += int(mb["mask"].sum())
       pending += 1
+      done += 1
+      # Time from the end of the first microbatch (one-time costs) to the end of the first
+      # window that ends TIMING_SECONDS later, or for TIMING_MAX_SECONDS; then estimate once.
+      closes = pending >= config.every_k or last
+      if mark is None:
+        jax.block_until_ready(m.num_updates)
+        mark = (time.perf_counter(), done)
+      elif mark and (
+        closes and _since(mark) >= TIMING_SECONDS or _since(mark) > TIMING_MAX_SECONDS
+      ):
+        jax.block_until_ready(m.num_updates)
+        _estimate(out, time.perf_counter() - t0, mark, done, planned)
+        mark = False
       if pending < config.every_k and not last:
         continue
       # A window closed (after every_k microbatches, or flushed at the epoch's end).
@@ -263,6 +330,13 @@ def train(
       window_losses.append(m.window_loss)
       new_updates = int(m.num_updates)  # waits for this step: one sync per window
       bar.update(new_updates - num_updates)
+      if lines_every and new_updates // lines_every > num_updates // lines_every:
+        elapsed = time.perf_counter() - t0
+        _write(
+          out,
+          f"update {new_updates}/{config.updates}: loss {float(m.window_loss):.3f}, "
+          f"{tokens / elapsed:,.0f} tokens/s, {_duration(elapsed)} elapsed",
+        )
       num_updates = new_updates
       if time.perf_counter() - last_postfix > 0.5:
         last_postfix = time.perf_counter()

@@ -22,8 +22,9 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from optax_accum import pitfalls
+from optax_accum._state import AccumulationState, find_states, flush_with
 from optax_accum._state import discard as _discard_state
-from optax_accum._state import find_states, flush_with
 from optax_accum._train_step import update_and_apply
 
 
@@ -82,6 +83,7 @@ class TrainState(train_state.TrainState):
     owg = grads is not None and OVERWRITE_WITH_GRADIENT in grads
     params = self.params["params"] if owg else self.params
     grads_opt = None if grads is None else (grads["params"] if owg else grads)
+    pitfalls.check(self.tx, self.opt_state, AccumulationState)
     new_params, new_opt_state = step_fn(grads_opt, params)
     if owg:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}

@@ -23,6 +23,7 @@ import jax
 import optax
 from flax import nnx
 
+from optax_accum import pitfalls
 from optax_accum._state import discard as _discard_state
 from optax_accum._state import find_states, flush_with
 from optax_accum._state import metrics as _metrics
@@ -75,6 +76,7 @@ def num_updates(optimizer: nnx.Optimizer) -> jax.Array:
     >>> int(opt.step[...]), int(optax_accum.flax.num_updates(opt))  # microbatches, updates
     (3, 1)
   """
+  pitfalls.check_transformation(optimizer.tx)
   return _metrics(optimizer.opt_state).num_updates
 
 

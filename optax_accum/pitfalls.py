@@ -1,0 +1,241 @@
+"""Detection of the README's accumulation pitfalls, with a warning that says the fix.
+
+Each check looks at what is known at ``init`` or trace time (the optimizer
+states, the transformations chained around :func:`optax_accum.accumulate`) and
+warns with :class:`PitfallWarning`; none costs anything in the compiled step.
+Where they run:
+
+- ``accumulate(...).init``: an :class:`optax_accum.AccumulationState` or an
+  ``optax.MultiStepsState`` inside the inner optimizer's state
+  (:func:`check_inner_state`).
+- :func:`optax_accum.metrics`, :func:`optax_accum.update_and_apply` and the
+  Flax integrations: the outer state (:func:`check_state`: ``apply_if_finite``
+  around ``accumulate``, a schedule outside it) and, where the transformation
+  is known, the chain (:func:`check_transformation`: a clip before it).
+
+None of these pitfalls is wrong in every case (equal microbatch weights, no
+non-finite gradient, a norm that never reaches the clip threshold give the
+intended update), so they warn rather than raise. Python's default warning
+filter shows each warning once per call site. To silence them::
+
+  warnings.filterwarnings("ignore", category=optax_accum.pitfalls.PitfallWarning)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+__all__ = ["PitfallWarning"]
+
+PyTree = Any
+
+# Factories whose transformation clips gradients (their update functions'
+# qualified names start with "<factory>.<locals>").
+_CLIPS = ("clip_by_global_norm",)  # an elementwise optax.clip per microbatch may be intended
+# Optimizer states of a schedule: their count advances on every `update` call.
+# (`inject_hyperparams` is left out: its state looks the same with constant hyperparams.)
+_SCHEDULE_STATES = (optax.ScaleByScheduleState,)
+# Packages whose frames are skipped when pointing a warning at the user's code.
+_INTERNAL_PACKAGES = ("optax_accum", "jax", "optax", "flax")
+
+
+class PitfallWarning(UserWarning):
+  """A transformation around or inside :func:`optax_accum.accumulate` that defeats it.
+
+  The message names the pitfall and the fix. Filter it like any warning:
+
+  Examples:
+    >>> import warnings, optax_accum
+    >>> warnings.filterwarnings("ignore", category=optax_accum.pitfalls.PitfallWarning)
+    >>> warnings.resetwarnings()
+  """
+
+
+def _warn(message: str) -> None:
+  """Warns at the first frame outside optax_accum, jax and optax (the user's call)."""
+  internal = tuple(
+    os.path.dirname(sys.modules[p].__file__) + os.sep
+    for p in _INTERNAL_PACKAGES
+    if getattr(sys.modules.get(p), "__file__", None)
+  )
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(internal):
+    frame, level = frame.f_back, level + 1
+  warnings.warn(message, PitfallWarning, stacklevel=level + 1)
+
+
+def _find(tree: PyTree, types: tuple[type, ...]) -> list[Any]:
+  stop = lambda x: isinstance(x, types)
+  return [x for x in jax.tree.leaves(tree, is_leaf=stop) if stop(x)]
+
+
+def check_inner_state(inner_state: PyTree, state_type: type) -> PyTree:
+  """Warns when the inner optimizer of ``accumulate`` accumulates too.
+
+  ``accumulate(accumulate(opt, k2), k1)`` and ``accumulate(optax.MultiSteps(opt,
+  k2), k1)`` hand each k1-window's mean to the inner accumulator with weight 1:
+  the update is the unweighted mean of k2 window means (the mean of means), and
+  the inner optimizer steps once per ``k1 * k2`` microbatches.
+
+  Args:
+    inner_state: the inner optimizer's freshly initialized state.
+    state_type: :class:`optax_accum.AccumulationState` (passed in by the caller,
+      which owns it: this module imports no state module).
+
+  Returns:
+    ``inner_state``, unchanged.
+
+  Warns:
+    PitfallWarning: naming the fix, one ``accumulate(opt, every_k=k1 * k2)``.
+
+  Examples:
+    >>> import warnings, jax.numpy as jnp, optax, optax_accum
+    >>> inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   _ = optax_accum.accumulate(inner, every_k=4).init({'w': jnp.zeros(2)})
+    >>> [w.category.__name__ for w in caught]
+    ['PitfallWarning']
+  """
+  if _find(inner_state, (state_type,)):
+    _warn(
+      "accumulate's inner optimizer contains another accumulate: the inner one averages the "
+      "outer windows' means with equal weights (the mean of means). Use one "
+      "accumulate(opt, every_k=k_outer * k_inner)."
+    )
+  if _find(inner_state, (optax.MultiStepsState,)):
+    _warn(
+      "accumulate's inner optimizer is an optax.MultiSteps: it averages accumulate's window "
+      "means with equal weights (the mean of means) and steps once per every_k * "
+      "every_k_schedule microbatches. Use accumulate(opt, every_k=every_k * every_k_schedule) "
+      "alone (README: Migrating from optax.MultiSteps)."
+    )
+  return inner_state
+
+
+def check_state(opt_state: PyTree, state_type: type) -> None:
+  """Warns about transformations around ``accumulate`` visible in the optimizer state.
+
+  - ``optax.apply_if_finite(accumulate(...))``: it drops a non-finite
+    microbatch and keeps the rest of its window, so the window silently
+    shrinks; ``accumulate`` already skips a non-finite window whole.
+  - A schedule outside ``accumulate`` (``optax.scale_by_schedule`` or an
+    ``optax.sgd(schedule)`` in the same chain, before or after it): its count
+    advances once per microbatch, not once per window.
+
+  Args:
+    opt_state: any optimizer state (a tree, ``nnx.Optimizer.opt_state``);
+      without an :class:`optax_accum.AccumulationState` nothing is checked.
+    state_type: :class:`optax_accum.AccumulationState`.
+
+  Warns:
+    PitfallWarning: naming the fix.
+
+  Examples:
+    >>> import warnings, jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax.apply_if_finite(optax_accum.accumulate(optax.sgd(0.1), every_k=4), 3)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   _ = optax_accum.metrics(state)
+    >>> [w.category.__name__ for w in caught]
+    ['PitfallWarning']
+  """
+  acc = state_type
+  finite = _find(opt_state, (optax.ApplyIfFiniteState, acc))
+  if any(isinstance(s, optax.ApplyIfFiniteState) and _find(s, (acc,)) for s in finite):
+    _warn(
+      "optax.apply_if_finite around accumulate drops a non-finite microbatch and keeps the rest "
+      "of its window: the window silently shrinks. Remove apply_if_finite: accumulate skips a "
+      "non-finite window whole (skip_nonfinite=True) and counts it in metrics(state).num_skipped."
+    )
+  outside = _find(opt_state, (*_SCHEDULE_STATES, acc))  # stops at accumulate's own state
+  if any(isinstance(s, acc) for s in outside) and any(
+    isinstance(s, _SCHEDULE_STATES) for s in outside
+  ):
+    _warn(
+      "a schedule outside accumulate (optax.scale_by_schedule, or an optimizer given a "
+      "schedule) counts microbatches, not updates. Put it inside: "
+      "accumulate(optax.chain(..., optax.scale_by_schedule(s)), every_k), or give the inner "
+      "optimizer the schedule: accumulate(optax.adamw(schedule), every_k)."
+    )
+
+
+def _update_fns(fn: Callable) -> list[Callable]:
+  """The update functions of the transformations chained in ``fn`` (itself if not a chain)."""
+  cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+  name = fn.__qualname__
+  if name.startswith("chain.") and "update_fns" in cells:
+    return [f for g in cells["update_fns"].cell_contents for f in _update_fns(g)]
+  if name.startswith("with_extra_args_support.") and "tx" in cells:
+    return _update_fns(cells["tx"].cell_contents.update)
+  return [fn]
+
+
+def check(tx: Any, opt_state: PyTree, state_type: type) -> None:
+  """:func:`check_transformation` of ``tx`` and :func:`check_state` of ``opt_state``.
+
+  Args:
+    tx: the outer transformation.
+    opt_state: its state.
+    state_type: :class:`optax_accum.AccumulationState`.
+
+  Warns:
+    PitfallWarning: naming the fix.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.adamw(optax.linear_schedule(1e-3, 0.0, 100)), 4)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> optax_accum.pitfalls.check(tx, state, optax_accum.AccumulationState)  # schedule inside
+  """
+  check_transformation(tx)
+  check_state(opt_state, state_type)
+
+
+def check_transformation(tx: Any) -> None:
+  """Warns about a gradient clip chained *before* ``accumulate``.
+
+  ``optax.chain(optax.clip_by_global_norm(1.0), accumulate(opt, k))`` clips
+  every microbatch, not the window (clipping ``(3, 0)`` and ``(0, 4)``
+  separately gives ``(0.5, 0.5)`` instead of ``(0.6, 0.8)``), and with a loss
+  scale it clips the *scaled* gradients. A clip *after* ``accumulate`` clips
+  the updates and is left alone. The chain is read from ``optax.chain``'s
+  closure; a transformation it cannot read is not checked.
+
+  Args:
+    tx: the outer transformation, e.g. an ``optax.chain`` containing
+      :func:`optax_accum.accumulate`.
+
+  Warns:
+    PitfallWarning: naming the fix, ``accumulate(..., clip_norm=...)``.
+
+  Examples:
+    >>> import warnings, optax, optax_accum
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax_accum.accumulate(optax.sgd(1), 4))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   optax_accum.pitfalls.check_transformation(tx)
+    >>> [w.category.__name__ for w in caught]
+    ['PitfallWarning']
+  """
+  try:
+    names = [f.__qualname__.split(".<locals>")[0] for f in _update_fns(tx.update)]
+  except (AttributeError, TypeError, ValueError):  # not a plain function: nothing to read
+    return
+  if "accumulate" not in names:
+    return
+  before = [n for n in names[: names.index("accumulate")] if n in _CLIPS]
+  if before:
+    _warn(
+      f"optax.{before[0]} before accumulate clips every microbatch, not the window (and with a "
+      "loss scale, the scaled gradients). Use accumulate(..., clip_norm=...) or put the clip in "
+      "the inner optimizer: accumulate(optax.chain(optax.clip_by_global_norm(1.0), opt), k)."
+    )

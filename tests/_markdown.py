@@ -1,0 +1,69 @@
+"""Shared test helper: run the Python blocks of a Markdown page in one fresh interpreter.
+
+A block is a ```` ```python ```` fence (indented fences inside list items
+included, dedented). A block whose fence is preceded, on the line before, by
+``<!-- sketch -->`` is a sketch (an excerpt that needs context the page does
+not give) and is not run.
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SKETCH = "<!-- sketch -->"
+_FENCE = re.compile(
+  r"^(?P<marker>[ ]*<!-- sketch -->\n)?(?P<indent>[ ]*)```python\n(?P<body>.*?)^(?P=indent)```",
+  re.S | re.M,
+)
+
+# Runs each block in one namespace, then the test's check for that block (if any), and prints
+# a line per block so a failure names the block.
+_RUNNER = """
+import json, sys
+blocks, checks, name = json.load(open(sys.argv[1]))
+ns = {"__name__": "__main__"}
+for i, (block, check) in enumerate(zip(blocks, checks), start=1):
+  exec(compile(block, f"{name}, python block {i}", "exec"), ns)
+  if check:
+    exec(compile(check, f"check of {name} block {i}", "exec"), ns)
+  print(f"[{name}: block {i} ran]", flush=True)
+"""
+
+
+def python_blocks(path: pathlib.Path) -> list[tuple[str, bool]]:
+  """``(code, is_sketch)`` for each Python block of ``path``, in order."""
+  return [
+    (textwrap.dedent(m["body"]), bool(m["marker"])) for m in _FENCE.finditer(path.read_text())
+  ]
+
+
+def run_blocks(path, blocks, checks, tmp_path, timeout=600):
+  """Runs ``blocks`` (with ``checks[i]`` after block i) in a fresh interpreter; returns stdout.
+
+  The interpreter sees this checkout (``PYTHONPATH``), 8 fake CPU devices and
+  warnings as errors; its working directory is ``tmp_path``. A failure raises
+  ``AssertionError`` with the block's traceback.
+  """
+  job = tmp_path / "blocks.json"
+  job.write_text(json.dumps([blocks, checks, path.name]))
+  env = dict(os.environ)
+  env.update(
+    PYTHONPATH=str(ROOT),
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  )
+  proc = subprocess.run(
+    [sys.executable, "-W", "error", "-c", _RUNNER, str(job)],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=tmp_path,
+    timeout=timeout,
+  )
+  assert proc.returncode == 0, f"{path.name}:\n{proc.stdout}\n{proc.stderr}"
+  return proc.stdout

@@ -1,0 +1,60 @@
+"""Each docs/*.md page's Python blocks run in order, as written, in one fresh interpreter.
+
+Per page: 8 fake CPU devices, warnings as errors. A block preceded by the line
+``<!-- sketch -->`` is an excerpt that needs context the page does not give (a
+cluster, a checkpoint directory, the demo's source) and is skipped; every
+other block runs. After some blocks a check recomputes the page's claim.
+"""
+
+import re
+
+import pytest
+from _markdown import ROOT, python_blocks, run_blocks
+
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+RUNNABLE = [p for p in PAGES if any(not sketch for _, sketch in python_blocks(p))]
+
+# page -> [(a string of the block to check after, the check)]
+CHECKS = {
+  "scaling.md": [
+    (
+      "init_sharded",
+      "assert opt_state.acc['w'].sharding.is_equivalent_to(params['w'].sharding, 2)\n"
+      "assert len(params['w'].sharding.device_set) == 8\n"
+      "assert int(optax_accum.metrics(opt_state).mini_step) == 1\n",
+    ),
+    (
+      "shard_map",  # each device added its own 4 rows; the window sums are per device
+      "m = optax_accum.metrics(opt_state)\n"
+      "w = np.asarray(m.pending_weight)\n"
+      "assert w.shape == (8,) and w.sum() == np.asarray(batch['mask']).sum()\n",
+    ),
+  ],
+}
+# page -> the lines its blocks print (regular expressions), in order, as the page says.
+PRINTS = {
+  "mixed_precision.md": [r"3 3 8192\.0"],
+  "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
+}
+
+
+def test_sketches_are_the_exception():
+  blocks = [sketch for p in PAGES for _, sketch in python_blocks(p)]
+  assert 0 < sum(blocks) < len(blocks) / 2
+
+
+@pytest.mark.slow  # each page compiles a few small steps: 10 to 40 s on 2 cores
+@pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
+def test_docs_page_python_blocks_run_in_order(page, tmp_path):
+  blocks = [code for code, sketch in python_blocks(page) if not sketch]
+  checks = [""] * len(blocks)
+  for marker, check in CHECKS.get(page.name, []):
+    i = next(i for i, code in enumerate(blocks) if marker in code)
+    checks[i] = check
+  out = run_blocks(page, blocks, checks, tmp_path)
+  assert out.count("ran]") == len(blocks)
+  printed = [line for line in out.splitlines() if not line.endswith("ran]")]
+  if page.name in PRINTS:
+    assert len(printed) == len(PRINTS[page.name]), out
+    for pattern, line in zip(PRINTS[page.name], printed, strict=True):
+      assert re.fullmatch(pattern, line), (pattern, line)

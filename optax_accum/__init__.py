@@ -26,6 +26,7 @@ from optax_accum._sharding import (
 )
 from optax_accum._state import Metrics, discard, get_loss_scale, metrics
 from optax_accum._train_step import apply_if_updated, update_and_apply
+from optax_accum.planning import plan_microbatch
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
   "local_state",
   "metrics",
   "microbatched_value_and_grad",
+  "plan_microbatch",
   "scaled_value_and_grad",
   "split_batch",
   "stack_windows",

@@ -25,10 +25,14 @@ def main(argv: list[str] | None = None) -> int:
   demo.add_argument("--seed", type=int, help="model init and data shuffling seed")
   demo.add_argument("--seq-len", type=int, help="context length in bytes")
   demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  demo.add_argument(
+    "--memory-budget",
+    help="plan the largest microbatch of the same window whose compiled step fits, e.g. 200MB",
+  )
   args = parser.parse_args(argv)
 
   try:
-    from optax_accum.demo import train
+    from optax_accum.demo import plan, train
   except ImportError as e:  # flax or tqdm missing
     print(f'optax-accum demo needs flax and tqdm: pip install "optax_accum[flax]" ({e})')
     return 1
@@ -42,6 +46,15 @@ def main(argv: list[str] | None = None) -> int:
   for name in ("microbatch_size", "every_k", "updates", "seq_len"):
     if getattr(config, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1")
+  if args.memory_budget is not None:  # compiles the step for a few sizes; allocates nothing
+    try:
+      config, line = plan.plan_config(config, args.memory_budget)
+    except ValueError as e:
+      parser.error(f"--memory-budget {args.memory_budget}: {e}")
+    print(line, flush=True)
+  elif (refusal := plan.check_fits(config)) is not None:  # before anything is allocated
+    print(f"optax-accum demo: {refusal}", file=sys.stderr)
+    return 2
   train.train(config, progress=not args.no_progress)
   return 0
 

@@ -11,8 +11,8 @@ catching out-of-memory errors and retrying.
 smallest and the largest (two probes), whose line ``fixed + per_row * size``
 predicts where the budget is crossed; then the predicted size and its next
 candidate (which settles it when the bytes are linear in the size, the usual
-case); then, if the prediction missed, secant steps while they halve the
-bracket, and bisection. :func:`microbatches_for` turns the plan into the ``num_microbatches``
+case); then, if the prediction missed, steps of growing length toward the
+crossing, and bisection. :func:`microbatches_for` turns the plan into the ``num_microbatches``
 (in-step) or ``every_k`` (across-step) that keeps a target global batch.
 """
 
@@ -237,11 +237,11 @@ def _search(
   """Compiles as few candidates as it can; returns ``{size: bytes}`` of those it looked at.
 
   Assumes bytes grow with the size. Keeps a bracket ``lo`` (fits) < ``hi`` (does
-  not fit). After the two probes, the next index is the secant guess through the
-  bracket's two points (the line's prediction, then its confirmation: settled
-  when the bytes are linear); later secant guesses continue only while each one
-  halves the bracket, and bisection finishes. ``known`` sizes are looked up, not
-  compiled. Compilations: 4 for linear bytes, at most ``ceil(log2(n)) + 5``.
+  not fit). After the two probes (the ends), the line through them predicts an
+  index; from there the search gallops toward the crossing (index steps 1, 2, 4,
+  ...: settled in one step when the bytes are linear, in a few when the line is
+  a few rows off) and bisects once a gallop step would pass the bracket's
+  middle. ``known`` sizes are looked up, not compiled.
   """
   measured: dict[int, int] = {}
 
@@ -257,22 +257,18 @@ def _search(
   f_hi = excess(n - 1)
   if f_hi <= 0:
     return measured
-  lo, hi, steps, secant = 0, n - 1, 0, True
+  lo, hi = 0, n - 1
+  x = cands[lo] + (cands[hi] - cands[lo]) * (-f_lo) / (f_hi - f_lo)  # the line's crossing
+  k = min(max(bisect.bisect_right(cands, x) - 1, lo + 1), hi - 1)
+  offset, bisecting = 1, False
   while hi - lo > 1:
-    width = hi - lo
-    if secant:
-      x = cands[lo] + (cands[hi] - cands[lo]) * (-f_lo) / (f_hi - f_lo)
-      k = min(max(bisect.bisect_right(cands, x) - 1, lo + 1), hi - 1)
+    fits = excess(k) <= 0
+    lo, hi = (k, hi) if fits else (lo, k)
+    if not bisecting and offset <= (hi - lo) // 2:  # gallop on from the side just moved
+      k = lo + offset if fits else hi - offset
+      offset *= 2
     else:
-      k = (lo + hi) // 2
-    f = excess(k)
-    if f <= 0:
-      lo, f_lo = k, f
-    else:
-      hi, f_hi = k, f
-    steps += 1
-    # The prediction and its confirmation are free; then the secant must halve the bracket.
-    secant = secant and (steps < 2 or hi - lo <= width // 2)
+      bisecting, k = True, (lo + hi) // 2
   return measured
 
 
@@ -291,9 +287,9 @@ def plan_microbatch(
   allocated or run. Two probes (the smallest and the largest candidate) fit
   ``bytes = fixed + per_row * size``; the predicted size and its next candidate
   settle the answer when the bytes are linear in the size (4 compilations,
-  fewer at the ends); otherwise secant and bisection steps continue, at most
-  ``ceil(log2(len(sizes))) + 5`` compilations in all. Assumes the bytes do not
-  shrink as the size grows.
+  fewer at the ends); when the line is ``d`` candidates off, about
+  ``2 * log2(d) + 4``; never more than about ``2 * log2(len(sizes)) + 3``.
+  Assumes the bytes do not shrink as the size grows.
 
   Works for any step: across-step (``make_args(size)`` gives one microbatch of
   ``size`` rows for a step calling :func:`optax_accum.accumulate`'s update),

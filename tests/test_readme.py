@@ -21,8 +21,8 @@ def test_readme_has_two_setup_commands_first():
   first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
   commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
   assert commands == [
-      'pip install -e ".[flax]" && optax-accum demo',
-      'pip install -e ".[test]" && python -m pytest -n 2',
+    'pip install -e ".[flax]" && optax-accum demo',
+    'pip install -e ".[test]" && python -m pytest -n 2',
   ]
   ci = (ROOT / ".ci" / "run").read_text()
   assert commands[1] in ci
@@ -47,3 +47,20 @@ def test_readme_example_equals_one_physical_batch():
   zero = {"w": jnp.zeros(3)}
   updates, _ = ref_tx.update(grads, ref_tx.init(zero), zero)
   np.testing.assert_allclose(params["w"], updates["w"], rtol=1e-5, atol=1e-8)
+
+
+def test_readme_planning_block_runs_after_the_example():
+  blocks = _python_blocks()
+  planning_block = next(b for b in blocks if "plan_microbatch" in b)
+  ns: dict = {}
+  exec(compile(blocks[0], "README.md", "exec"), ns)
+  exec(compile(planning_block, "README.md", "exec"), ns)
+  plan, make_args = ns["plan"], ns["make_args"]
+  from optax_accum.planning import compiled_peak_bytes
+
+  # Settled: the planned size fits 64 MB and the next one, compiled again here, does not.
+  assert plan.peak_bytes == compiled_peak_bytes(ns["step"], *make_args(plan.size)) <= 64 * 10**6
+  assert compiled_peak_bytes(ns["step"], *make_args(plan.size + 1)) > 64 * 10**6
+  assert plan.num_compilations <= 2 + 20
+  # Each row holds x (512 float32) at least: the line's slope counts it.
+  assert plan.bytes_per_row >= 512 * 4

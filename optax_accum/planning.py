@@ -12,8 +12,9 @@ smallest and the largest (two probes), whose line ``fixed + per_row * size``
 predicts where the budget is crossed; then the predicted size and its next
 candidate (which settles it when the bytes are linear in the size, the usual
 case); then, if the prediction missed, steps of growing length toward the
-crossing, and bisection. :func:`microbatches_for` turns the plan into the ``num_microbatches``
-(in-step) or ``every_k`` (across-step) that keeps a target global batch.
+crossing, and bisection. :func:`microbatches_for` turns the plan into the
+``num_microbatches`` (in-step) or ``every_k`` (across-step) that keeps a target
+global batch.
 """
 
 from __future__ import annotations
@@ -47,18 +48,9 @@ allocator fragmentation.
 
 DEFAULT_SIZES = tuple(2**i for i in range(21))  # 1, 2, 4, ..., 1,048,576 rows
 
-_UNITS = {
-  "": 1,
-  "b": 1,
-  "kb": 10**3,
-  "mb": 10**6,
-  "gb": 10**9,
-  "tb": 10**12,
-  "kib": 2**10,
-  "mib": 2**20,
-  "gib": 2**30,
-  "tib": 2**40,
-}
+_UNITS = {"": 1, "b": 1}  # IEC 80000-13: kB = 1000 bytes, KiB = 1024 bytes
+_UNITS.update({f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")})
+_UNITS.update({f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")})
 
 
 class MicrobatchPlan(NamedTuple):

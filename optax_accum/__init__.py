@@ -25,6 +25,7 @@ from optax_accum._state import (
   metrics,
 )
 from optax_accum._train_step import update_and_apply
+from optax_accum.planning import plan_microbatch
 
 __version__ = "0.2.0"
 
@@ -39,6 +40,8 @@ __all__ = [
   "get_loss_scale",
   "metrics",
   "microbatched_value_and_grad",
+  "plan_microbatch",
+  "plan_microbatch",
   "scaled_value_and_grad",
   "split_batch",
   "static_loss_scale",

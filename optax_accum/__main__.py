@@ -68,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     # "(default: ...)"), so the defaults of the chosen configuration apply.
     demo.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
   demo.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+  demo.add_argument(
+    "--memory-budget",
+    help="plan the largest microbatch of the same window whose compiled step fits, e.g. 200MB",
+  )
   args = parser.parse_args(argv)
 
   try:
-    from optax_accum.demo import train
+    from optax_accum.demo import plan, train
   except ImportError as e:  # flax or tqdm missing
     demo.exit(1, f"optax-accum demo needs flax and tqdm: {INSTALL_FLAX} ({e})\n")
   config = train.QUICK if args.quick else train.DemoConfig()
@@ -81,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     if name != "seed" and value < 1:
       demo.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
   config = dataclasses.replace(config, **overrides)
+  if args.memory_budget is not None:  # compiles the step for a few sizes; allocates nothing
+    try:
+      config, line = plan.plan_config(config, args.memory_budget)
+    except ValueError as e:
+      demo.error(f"--memory-budget {args.memory_budget}: {e}")
+    print(line, flush=True)
+  elif (refusal := plan.check_fits(config)) is not None:  # before anything is allocated
+    print(f"optax-accum demo: {refusal}", file=sys.stderr)
+    return 2
   train.train(config, progress=not args.no_progress)
   return 0
 

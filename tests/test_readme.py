@@ -102,3 +102,20 @@ def test_readme_python_blocks_run_in_order(tmp_path):
   grad = re.search(r"gradient, in-step +\S+ +(\S+)", out)
   mean_of_means = re.search(r"mean of means would give \(grad\) +\S+ +(\S+)", out)
   assert float(grad.group(1)) < 1e-5 < 1e-2 < float(mean_of_means.group(1))
+
+
+def test_readme_planning_block_runs_after_the_example():
+  blocks = [code for code, _ in python_blocks(README)]
+  planning_block = next(b for b in blocks if "plan_microbatch" in b)
+  ns: dict = {}
+  exec(compile(blocks[0], "README.md", "exec"), ns)
+  exec(compile(planning_block, "README.md", "exec"), ns)
+  plan, make_args = ns["plan"], ns["make_args"]
+  from optax_accum.planning import compiled_peak_bytes
+
+  # Settled: the planned size fits 64 MB and the next one, compiled again here, does not.
+  assert plan.peak_bytes == compiled_peak_bytes(ns["step"], *make_args(plan.size)) <= 64 * 10**6
+  assert compiled_peak_bytes(ns["step"], *make_args(plan.size + 1)) > 64 * 10**6
+  assert plan.num_compilations <= 2 + 20
+  # Each row holds x (512 float32) at least: the line's slope counts it.
+  assert plan.bytes_per_row >= 512 * 4

@@ -1,0 +1,416 @@
+"""Choose the microbatch size from compiled memory, before the first step.
+
+XLA reports a step's memory when it compiles it: ``jax.jit(step).lower(*args)
+.compile().memory_analysis()`` gives the bytes of its arguments, outputs and
+temporaries, and which outputs reuse (alias) a donated argument. Nothing needs
+to run or be allocated: ``jax.ShapeDtypeStruct`` arguments are enough. So the
+largest microbatch that fits a memory budget can be found by compiling, not by
+catching out-of-memory errors and retrying.
+
+:func:`plan_microbatch` compiles the step for a few candidate sizes: the
+smallest and the largest (two probes), whose line ``fixed + per_row * size``
+predicts where the budget is crossed; then the predicted size and its next
+candidate (which settles it when the bytes are linear in the size, the usual
+case); then, if the prediction missed, steps of growing length toward the
+crossing, and bisection. :func:`microbatches_for` turns the plan into the
+``num_microbatches`` (in-step) or ``every_k`` (across-step) that keeps a target
+global batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+__all__ = [
+  "SAFETY_MARGIN",
+  "MicrobatchPlan",
+  "MicrobatchSplit",
+  "compiled_peak_bytes",
+  "default_budget",
+  "microbatches_for",
+  "parse_bytes",
+  "plan_microbatch",
+]
+
+SAFETY_MARGIN = 0.10
+"""Fraction of the device's ``bytes_limit`` the default budget leaves free.
+
+For what the compiled step does not count: arrays the program holds outside
+the step (a second copy of a batch being loaded, metrics, an eval state) and
+allocator fragmentation.
+"""
+
+DEFAULT_SIZES = tuple(2**i for i in range(21))  # 1, 2, 4, ..., 1,048,576 rows
+
+_UNITS = {"": 1, "b": 1}  # IEC 80000-13: kB = 1000 bytes, KiB = 1024 bytes
+_UNITS.update({f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")})
+_UNITS.update({f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")})
+
+
+class MicrobatchPlan(NamedTuple):
+  """What :func:`plan_microbatch` found.
+
+  Attributes:
+    size: the largest candidate microbatch size (rows) whose compiled step fits
+      ``budget``.
+    peak_bytes: the compiled step's bytes at ``size`` (per device under a mesh).
+    budget: the budget in bytes the sizes were held to.
+    measured: ``{size: peak bytes}`` of every size the search looked at (compiled
+      or ``known``), in that order.
+    num_compilations: how many sizes were compiled (those of ``measured`` not ``known``).
+    num_candidates: how many candidate sizes there were.
+    fixed_bytes: the intercept of the line through the two probes (bytes at
+      size 0: params, optimizer state, code-independent buffers).
+    bytes_per_row: its slope, bytes per microbatch row (0.0 with one candidate).
+  """
+
+  size: int
+  peak_bytes: int
+  budget: int
+  measured: dict[int, int]
+  num_compilations: int
+  num_candidates: int
+  fixed_bytes: float
+  bytes_per_row: float
+
+
+class MicrobatchSplit(NamedTuple):
+  """A global batch cut into equal microbatches (see :func:`microbatches_for`).
+
+  Attributes:
+    microbatch_size: rows per microbatch.
+    num_microbatches: microbatches per global batch: ``num_microbatches`` of
+      :func:`optax_accum.microbatched_value_and_grad` (in-step), or ``every_k``
+      of :func:`optax_accum.accumulate` (across-step).
+  """
+
+  microbatch_size: int
+  num_microbatches: int
+
+  @property
+  def every_k(self) -> int:
+    """``num_microbatches``, under its across-step name."""
+    return self.num_microbatches
+
+
+def parse_bytes(value: int | str) -> int:
+  """Reads a memory size: an int of bytes, or a string like ``"200MB"`` or ``"1.5GiB"``.
+
+  Units (case-insensitive): ``B``, decimal ``kB MB GB TB`` (powers of 1000) and
+  binary ``KiB MiB GiB TiB`` (powers of 1024), as in IEC 80000-13. No unit means bytes.
+
+  Args:
+    value: a positive int, or a number with an optional unit.
+
+  Returns:
+    The size in bytes, an int >= 1 (rounded down).
+
+  Raises:
+    TypeError: if ``value`` is neither an int nor a str.
+    ValueError: if the string is not a number and a unit above, or the size is < 1 byte.
+
+  Examples:
+    >>> parse_bytes("200MB"), parse_bytes("1.5GiB"), parse_bytes(4096)
+    (200000000, 1610612736, 4096)
+  """
+  if isinstance(value, bool) or not isinstance(value, (int, str)):
+    raise TypeError(f"A memory size must be an int of bytes or a str like '200MB', got {value!r}.")
+  if isinstance(value, int):
+    size = value
+  else:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+      raise ValueError(
+        f"Cannot read the memory size {value!r}: write a number and a unit, like '200MB', "
+        "'1.5GiB' or '512KiB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)."
+      )
+    size = int(float(match.group(1)) * _UNITS[unit])
+  if size < 1:
+    raise ValueError(f"A memory size must be at least 1 byte, got {value!r}.")
+  return size
+
+
+def default_budget(device: Any = None) -> int:
+  """The device's ``bytes_limit`` (``memory_stats()``) less :data:`SAFETY_MARGIN`.
+
+  Args:
+    device: a ``jax.Device``; default ``jax.devices()[0]``.
+
+  Returns:
+    ``floor(bytes_limit * (1 - SAFETY_MARGIN))`` bytes.
+
+  Raises:
+    ValueError: where the backend reports no ``bytes_limit`` (CPU: ``memory_stats()``
+      is ``None``); pass ``memory_budget=`` to :func:`plan_microbatch` there.
+
+  Examples:
+    >>> default_budget()  # doctest: +SKIP
+    128849018880
+  """
+  device = jax.devices()[0] if device is None else device
+  stats = device.memory_stats()
+  if not stats or not stats.get("bytes_limit"):
+    raise ValueError(
+      f"{device} reports no memory limit (memory_stats() gives {stats!r}), so there is no "
+      "default budget on this backend. Pass memory_budget=, e.g. memory_budget='2GB'."
+    )
+  return int(stats["bytes_limit"] * (1 - SAFETY_MARGIN))
+
+
+def compiled_peak_bytes(step_fn: Callable[..., Any], *args: Any) -> int:
+  """Bytes the compiled ``step_fn(*args)`` needs: arguments + outputs + temporaries - aliased.
+
+  From ``jax.jit(step_fn).lower(*args).compile().memory_analysis()`` (a
+  ``jax.jit`` function is lowered as it is, keeping its shardings and
+  donation). Aliased bytes are outputs written into donated arguments' buffers.
+  For a sharded step the sizes are those of one device's program, so the
+  result is per device. Nothing is allocated or run.
+
+  Args:
+    step_fn: the step, a function or a ``jax.jit`` function.
+    *args: its arguments; ``jax.ShapeDtypeStruct`` leaves are enough.
+
+  Returns:
+    Bytes, an int.
+
+  Raises:
+    ValueError: if the backend gives no memory analysis.
+
+  Examples:
+    >>> x = jax.ShapeDtypeStruct((1000, 10), jnp.float32)
+    >>> compiled_peak_bytes(lambda x: x.sum(), x)  # 40,000 bytes in, one float32 out
+    40004
+  """
+  jitted = step_fn if hasattr(step_fn, "lower") else jax.jit(step_fn)
+  stats = jitted.lower(*args).compile().memory_analysis()
+  if stats is None:
+    raise ValueError(
+      f"The {jax.default_backend()} backend gives no memory analysis of compiled programs, "
+      "so the microbatch size cannot be planned from compiled memory here."
+    )
+  return int(
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    + stats.temp_size_in_bytes
+    - stats.alias_size_in_bytes
+  )
+
+
+def _candidates(sizes: Sequence[int] | None) -> Sequence[int]:
+  """The sorted, distinct candidates; a ``range`` stays a ``range`` (never listed)."""
+  if sizes is None:
+    return DEFAULT_SIZES
+  if isinstance(sizes, range):
+    if sizes.step < 0:
+      sizes = sizes[::-1]
+    if len(sizes) and sizes.start < 1:
+      raise ValueError(f"sizes must be >= 1 (rows per microbatch), got {sizes}.")
+    cands: Sequence[int] = sizes
+  else:
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if bad:
+      raise ValueError(f"sizes must be ints >= 1 (rows per microbatch); these are not: {bad[:5]}.")
+    cands = sorted(set(sizes))
+  if not len(cands):
+    raise ValueError("sizes is empty: give at least one candidate microbatch size.")
+  return cands
+
+
+def _search(
+  cands: Sequence[int], bytes_at: Callable[[int], int], budget: int, known: dict[int, int]
+) -> dict[int, int]:
+  """Compiles as few candidates as it can; returns ``{size: bytes}`` of those it looked at.
+
+  Assumes bytes grow with the size. Keeps a bracket ``lo`` (fits) < ``hi`` (does
+  not fit). After the two probes (the ends), the line through them predicts an
+  index; from there the search gallops toward the crossing (index steps 1, 2, 4,
+  ...: settled in one step when the bytes are linear, in a few when the line is
+  a few rows off) and bisects once a gallop step would pass the bracket's
+  middle. ``known`` sizes are looked up, not compiled.
+  """
+  measured: dict[int, int] = {}
+
+  def excess(i: int) -> float:
+    size = cands[i]
+    measured[size] = known[size] if size in known else bytes_at(size)
+    return measured[size] - budget
+
+  n = len(cands)
+  f_lo = excess(0)
+  if f_lo > 0 or n == 1:
+    return measured
+  f_hi = excess(n - 1)
+  if f_hi <= 0:
+    return measured
+  lo, hi = 0, n - 1
+  x = cands[lo] + (cands[hi] - cands[lo]) * (-f_lo) / (f_hi - f_lo)  # the line's crossing
+  k = min(max(bisect.bisect_right(cands, x) - 1, lo + 1), hi - 1)
+  offset, bisecting = 1, False
+  while hi - lo > 1:
+    fits = excess(k) <= 0
+    lo, hi = (k, hi) if fits else (lo, k)
+    if not bisecting and offset <= (hi - lo) // 2:  # gallop on from the side just moved
+      k = lo + offset if fits else hi - offset
+      offset *= 2
+    else:
+      bisecting, k = True, (lo + hi) // 2
+  return measured
+
+
+def plan_microbatch(
+  step_fn: Callable[..., Any],
+  make_args: Callable[[int], tuple[Any, ...]],
+  *,
+  memory_budget: int | str | None = None,
+  sizes: Sequence[int] | None = None,
+  known: Mapping[int, int] | None = None,
+) -> MicrobatchPlan:
+  """The largest microbatch size whose compiled step fits a memory budget.
+
+  Compiles ``step_fn(*make_args(size))`` ahead of time for a few candidate
+  sizes and reads each one's bytes with :func:`compiled_peak_bytes`; nothing is
+  allocated or run. Two probes (the smallest and the largest candidate) fit
+  ``bytes = fixed + per_row * size``; the predicted size and its next candidate
+  settle the answer when the bytes are linear in the size (4 compilations,
+  fewer at the ends); when the line is ``d`` candidates off, about
+  ``2 * log2(d) + 4``; never more than about ``2 * log2(len(sizes)) + 3``.
+  Assumes the bytes do not shrink as the size grows.
+
+  Works for any step: across-step (``make_args(size)`` gives one microbatch of
+  ``size`` rows for a step calling :func:`optax_accum.accumulate`'s update),
+  in-step (the whole batch of ``K * size`` rows for a step using
+  ``optax_accum.microbatched_value_and_grad(loss_fn, K)``), or sharded (give
+  the arguments ``sharding=``; the bytes, budget and ``bytes_limit`` are then
+  per device).
+
+  Args:
+    step_fn: the train step; pass the ``jax.jit`` function itself to keep its
+      ``donate_argnums`` (donated state is counted once, not twice) and shardings.
+    make_args: ``make_args(size)`` returns the tuple of ``step_fn``'s positional
+      arguments for a microbatch of ``size`` rows; ``jax.ShapeDtypeStruct``
+      leaves (e.g. from ``jax.eval_shape``) are enough.
+    memory_budget: bytes (an int, or a str for :func:`parse_bytes` such as
+      ``"200MB"``). Default: :func:`default_budget`, the device's ``bytes_limit``
+      less :data:`SAFETY_MARGIN`; on CPU, which reports none, it must be given.
+    sizes: candidate sizes (rows), e.g. the divisors of the per-device global
+      batch; a ``range`` is searched without being listed. Default: the powers
+      of two from 1 to 2**20.
+    known: ``{size: bytes}`` already measured with :func:`compiled_peak_bytes`
+      for this step (e.g. a size just refused); looked up instead of compiled.
+
+  Returns:
+    A :class:`MicrobatchPlan`.
+
+  Raises:
+    ValueError: if the budget cannot be read or has no default here, ``sizes``
+      holds no valid size, or even the smallest candidate does not fit (the
+      message gives its bytes).
+
+  Examples:
+    >>> def step(w, x):  # the gradient of a 1000-parameter linear model
+    ...   return jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+    >>> def make_args(size):
+    ...   return (jax.ShapeDtypeStruct((1000,), jnp.float32),
+    ...           jax.ShapeDtypeStruct((size, 1000), jnp.float32))
+    >>> plan = plan_microbatch(step, make_args, memory_budget="1MB", sizes=range(1, 1025))
+    >>> plan.size, plan.peak_bytes <= 1_000_000 < plan.measured[plan.size + 1]
+    (247, True)
+    >>> plan.num_compilations, round(plan.bytes_per_row)  # 4,000 bytes of x per row, and temps
+    (4, 4008)
+  """
+  budget = default_budget() if memory_budget is None else parse_bytes(memory_budget)
+  cands = _candidates(sizes)
+
+  def bytes_at(size: int) -> int:
+    args = make_args(size)
+    if not isinstance(args, tuple):
+      raise TypeError(
+        f"make_args({size}) must return a tuple of step_fn's positional arguments, got "
+        f"{type(args).__name__}. For a single argument return (arg,)."
+      )
+    return compiled_peak_bytes(step_fn, *args)
+
+  known = {int(k): int(v) for k, v in (known or {}).items()}
+  measured = _search(cands, bytes_at, budget, known)
+  smallest = cands[0]
+  if measured[smallest] > budget:
+    raise ValueError(
+      f"Even the smallest candidate microbatch ({smallest} rows) needs "
+      f"{measured[smallest]:,} bytes, over the memory_budget of {budget:,} bytes. Raise "
+      "memory_budget, add smaller sizes, shard the step over more devices or shrink the model."
+    )
+  size = max(s for s, b in measured.items() if b <= budget)
+  fixed, per_row = float(measured[smallest]), 0.0
+  if len(cands) > 1:
+    largest = cands[len(cands) - 1]
+    per_row = (measured[largest] - measured[smallest]) / (largest - smallest)
+    fixed = measured[smallest] - per_row * smallest
+  return MicrobatchPlan(
+    size=size,
+    peak_bytes=measured[size],
+    budget=budget,
+    measured=measured,
+    num_compilations=len(measured.keys() - known.keys()),
+    num_candidates=len(cands),
+    fixed_bytes=fixed,
+    bytes_per_row=per_row,
+  )
+
+
+def microbatches_for(
+  plan: MicrobatchPlan, global_batch: int, *, multiple_of: int = 1
+) -> MicrobatchSplit:
+  """Cuts ``global_batch`` rows into the fewest equal microbatches that fit the plan.
+
+  The microbatch size is the largest divisor of ``global_batch`` that is at most
+  ``plan.size`` and a multiple of ``multiple_of``; every microbatch is full, so
+  the effective batch, and with weights the update, are those of one physical
+  batch of ``global_batch`` rows. Smaller sizes than ``plan.size`` are taken to
+  fit too (bytes grow with the size).
+
+  Args:
+    plan: a :class:`MicrobatchPlan`.
+    global_batch: rows per optimizer update (in the units of ``make_args``'s size).
+    multiple_of: the microbatch size must be a multiple of this (e.g. the
+      data-parallel devices, so each gets whole rows).
+
+  Returns:
+    A :class:`MicrobatchSplit`; use ``num_microbatches`` in-step or ``every_k``
+    across-step.
+
+  Raises:
+    TypeError, ValueError: for a non-positive ``global_batch`` or ``multiple_of``,
+      or when no multiple of ``multiple_of`` at most ``plan.size`` divides ``global_batch``.
+
+  Examples:
+    >>> plan = MicrobatchPlan(48, 0, 0, {}, 0, 0, 0.0, 0.0)  # a plan that found 48 rows
+    >>> microbatches_for(plan, 256)
+    MicrobatchSplit(microbatch_size=32, num_microbatches=8)
+    >>> microbatches_for(plan, 256, multiple_of=8).every_k
+    8
+  """
+  for value, name in ((global_batch, "global_batch"), (multiple_of, "multiple_of")):
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"{name} must be a positive int, got {value!r}.")
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}.")
+  best = 0
+  for d in range(1, math.isqrt(global_batch) + 1):
+    if global_batch % d == 0:
+      for size in (d, global_batch // d):
+        if size <= plan.size and size % multiple_of == 0:
+          best = max(best, size)
+  if best == 0:
+    raise ValueError(
+      f"No microbatch size divides global_batch={global_batch}, is a multiple of "
+      f"multiple_of={multiple_of} and is at most the planned {plan.size} rows. Choose a "
+      "global batch divisible by multiple_of, or raise the memory budget."
+    )
+  return MicrobatchSplit(microbatch_size=best, num_microbatches=global_batch // best)

@@ -41,7 +41,6 @@ __all__ = [
   "metrics",
   "microbatched_value_and_grad",
   "plan_microbatch",
-  "plan_microbatch",
   "scaled_value_and_grad",
   "split_batch",
   "static_loss_scale",

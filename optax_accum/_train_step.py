@@ -17,6 +17,7 @@ import optax
 
 from optax_accum import pitfalls
 from optax_accum._accumulate import fused_update
+from optax_accum._state import AccumulationState
 
 PyTree = Any
 
@@ -82,6 +83,6 @@ def update_and_apply(
   fused = fused_update(tx)
   if fused is not None:
     return fused(grads, opt_state, params, **extra_args)
-  pitfalls.check_transformation(tx)  # a clip before accumulate; metrics checks the state
+  pitfalls.check(tx, opt_state, AccumulationState)  # what sits around accumulate
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state

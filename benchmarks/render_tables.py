@@ -76,11 +76,14 @@ def render(report: dict[str, Any]) -> str:
       cells = " | ".join(f"{r['ratios'][key]:.2f}" for r in results)
       lines.append(f"| {label} | {goal} | {cells} |")
   m = report["machine"]
+  load = m.get("load_average")
+  shared = f", 1-minute load average {load[0]:.1f} at the end" if load else ""
   lines += [
     "",
     f"Medians of {main['rounds']} interleaved windows per variant, every step jitted with params"
     f" and state donated, all variants in one process; {m['cpu_count']}-core {m['processor']},"
-    f" jax {m['jax']}, optax {m['optax']}. Source: `benchmarks/results/microstep.json`, rendered"
+    f" jax {m['jax']}, optax {m['optax']}{shared}. Source: `benchmarks/results/microstep.json`,"
+    " rendered"
     " by `benchmarks/render_tables.py`.",
   ]
   return "\n".join(lines)

@@ -370,10 +370,11 @@ def _close(config, state, acc, window, inner_state, params, like, fused, value, 
     if config.skip_nonfinite:
       ok = _numerics.updates_finite(updates, new_inner, inner_state, (like.mean, like.out))
     if ok is not None:  # narrow dtypes: a non-finite update or state skips the window
-      zeros = _buffers.distinct_zeros(updates, ok)
-      updates, new_inner = jax.lax.cond(
-        ok, lambda _: (updates, new_inner), lambda _: (zeros, inner_state), None
-      )
+      # Selected leafwise (XLA fuses the select into the inner optimizer's passes; a
+      # nested cond would copy the inner state).
+      keep = lambda new, old: jnp.where(ok, new, old)
+      updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros((), u.dtype)), updates)
+      new_inner = jax.tree.map(keep, new_inner, inner_state)
     else:
       ok = jnp.ones_like(apply)
     # Fused: params + updates written by the inner optimizer's last pass.

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _finite import assert_state_finite
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,6 +140,7 @@ def test_resume_mid_window_is_bitwise_equal(tmp_path):
 
   chex.assert_trees_all_equal(params_b, params_a)
   chex.assert_trees_all_equal(state_b, state_a)
+  assert_state_finite(state_b)
   chex.assert_trees_all_equal(updates_b, updates_a)
   assert int(state_a.num_updates) == 3
 
@@ -188,6 +190,7 @@ def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
   assert state_b.acc["theta"].sharding.is_equivalent_to(NamedSharding(mesh, P(AXIS)), 2)
   params_b, state_b, rest = run(step, params_b, state_b, batches[SAVE_AFTER:], batch_sharding)
   chex.assert_trees_all_equal((params_b, state_b, updates_b + rest), (params_a, state_a, updates_a))
+  assert_state_finite(state_b)
   with pytest.raises(ValueError, match="acc"):  # a stacked state is not a plain one
     optax_accum.sharding.check_compatible(tx, params0, state_b)
 

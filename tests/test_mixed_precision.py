@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _finite import assert_state_finite
 
 import optax_accum
 
@@ -800,7 +801,7 @@ def test_non_finite_inner_updates_skip_the_window():
   assert (int(state.num_updates), int(state.num_skipped)) == (0, 1) and not bool(state.updated)
   assert int(state.inner_state[0].count) == 0  # the inner state is untouched
   assert float(state.loss_scale) == 0.5
-  _all_finite(state)
+  assert_state_finite(state)
   updates, state = tx.update(jnp.full(2, 0.5, jnp.float16), state, params)  # 0.5 = 1 * scale
   np.testing.assert_array_equal(np.asarray(updates, np.float32), [-1e4, -1e4])
   assert (int(state.num_updates), int(state.num_skipped)) == (1, 1)

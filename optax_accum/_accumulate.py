@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _buffers, _checks, _numerics, pitfalls
-from optax_accum._loss_scale import LossScale
+from optax_accum import _buffers, _checks, _numerics, _vma, pitfalls
+from optax_accum._loss_scale import LossScale, StaticLossScale
 from optax_accum._state import AccumulationState
 
 PyTree = Any
@@ -97,18 +97,24 @@ def accumulate(
     An ``optax.GradientTransformationExtraArgs`` whose state is an
     :class:`AccumulationState`. Apply its updates with ``optax.apply_updates``,
     or call :func:`optax_accum.update_and_apply` with it, which writes no update
-    buffer at all (the fastest train step). Updates have the params' dtypes (the grads'
-    dtypes when ``params`` is None), and so does the window mean handed to
-    ``inner``: float32 master params with bf16/fp16 gradients get the float32
-    mean, not a mean rounded back to 16 bits (which would undo the loss
-    scale's protection against underflow). A mean that is finite in the
-    accumulator but overflows in that dtype counts as non-finite.
+    buffer at all (the fastest train step). The window mean is handed to
+    ``inner`` in the wider of the gradients' and the params' dtypes (float32
+    master params with bf16/fp16 gradients get the float32 mean; fp16 params
+    with float32 gradients do not run Adam in fp16), and the updates have the
+    dtypes plain ``inner`` returns for the same gradients (optax's
+    ``test_multi_steps_mixed_precision`` rule). A mean that is finite in the
+    accumulator but overflows in that dtype counts as non-finite, and so,
+    where a 16-bit dtype is involved, do non-finite inner updates. Every float
+    leaf of the state stays finite while the gradients are.
 
   Raises:
-    TypeError, ValueError: at construction for a bad ``every_k`` or
-      ``clip_norm``; at trace time for a non-scalar, boolean or concrete
-      negative weight, and for grads whose tree, shapes or dtypes do not match
-      the state or params.
+    TypeError, ValueError: at construction for a bad ``every_k`` (or one above
+      2**31 - 1), ``clip_norm``, ``axis_name`` or ``accumulator_dtype`` (a
+      64-bit one without x64); at trace time for a non-scalar, boolean,
+      concrete negative or unrepresentable weight, for grads whose tree,
+      shapes or dtypes do not match the state or params, for device-varying
+      params under ``axis_name``, and for a concrete state made with another
+      ``every_k`` or loss-scale configuration.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -127,11 +133,16 @@ def accumulate(
     <https://huggingface.co/blog/gradient_accumulation>`_ (2024), on weighting by
     token counts; ``optax.MultiSteps`` for the transformation's shape.
   """
-  every_k = _checks.options(inner, every_k, clip_norm, skip_nonfinite, loss_scale)
+  every_k = _checks.options(
+    inner, every_k, clip_norm, skip_nonfinite, loss_scale, accumulator_dtype, axis_name
+  )
+  scale_kind = 0 if loss_scale is None else 1 if isinstance(loss_scale, StaticLossScale) else 2
   config = _Config(
     inner=optax.with_extra_args_support(inner),
     every_k=every_k,
     every_k_fp=-1 if callable(every_k) else every_k,
+    scale_kind=scale_kind,
+    static_scale=1.0 if scale_kind == 0 else loss_scale.value if scale_kind == 1 else None,
     accumulator_dtype=None if accumulator_dtype is None else jnp.dtype(accumulator_dtype),
     loss_scale=loss_scale,
     clip_norm=clip_norm,
@@ -164,6 +175,8 @@ class _Config(NamedTuple):
   inner: optax.GradientTransformationExtraArgs
   every_k: int | Callable[[jax.Array], Any]
   every_k_fp: int
+  scale_kind: int  # the loss_scale_kind fingerprint: 0 none, 1 static, 2 dynamic
+  static_scale: float | None  # the loss scale a state must hold (None: dynamic)
   accumulator_dtype: Any
   loss_scale: LossScale | None
   clip_norm: float | None
@@ -174,12 +187,7 @@ class _Config(NamedTuple):
     """``every_k`` for the window after ``num_updates`` applied windows, int32."""
     if not callable(self.every_k):
       return jnp.asarray(self.every_k, jnp.int32)
-    k = jnp.asarray(self.every_k(num_updates))
-    if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
-      raise TypeError(
-        f"every_k schedule must return an integer scalar, got {k.dtype}{list(k.shape)}."
-      )
-    return k.astype(jnp.int32)
+    return _checks.window_length(self.every_k(num_updates))
 
 
 def fused_update(tx: Any) -> Callable[..., tuple[PyTree, PyTree]] | None:
@@ -208,7 +216,7 @@ def _init(config: _Config, params: PyTree) -> AccumulationState:
     return jnp.zeros((), jnp.int32)
 
   initial_scale = 1.0 if config.loss_scale is None else config.loss_scale.initial_scale()
-  return AccumulationState(
+  state = AccumulationState(
     mini_step=zero_i(),
     acc=jax.tree.map(acc_zeros, params),
     weight_sum=jnp.zeros((), fdt),
@@ -218,13 +226,17 @@ def _init(config: _Config, params: PyTree) -> AccumulationState:
     num_updates=zero_i(),
     num_skipped=zero_i(),
     updated=jnp.zeros((), jnp.bool_),
-    window_loss=jnp.full((), jnp.nan, fdt),
-    grad_norm=jnp.full((), jnp.nan, fdt),
+    window_loss=jnp.zeros((), fdt),
+    has_window_loss=jnp.zeros((), jnp.bool_),
+    grad_norm=jnp.zeros((), fdt),
+    has_grad_norm=jnp.zeros((), jnp.bool_),
     loss_scale=jnp.asarray(initial_scale, jnp.float32),
     growth_streak=zero_i(),
     every_k=jnp.asarray(config.every_k_fp, jnp.int32),
+    loss_scale_kind=jnp.asarray(config.scale_kind, jnp.int32),
     inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
   )
+  return _vma.per_device_window(state, config.axis_name)
 
 
 class _Window(NamedTuple):
@@ -242,16 +254,27 @@ class _Closed(NamedTuple):
   num_updates: jax.Array
   num_skipped: jax.Array
   window_loss: jax.Array
+  has_window_loss: jax.Array
   grad_norm: jax.Array
+  has_grad_norm: jax.Array
   loss_scale: jax.Array
   growth_streak: jax.Array
+
+
+class _Like(NamedTuple):
+  """The dtypes of a window: the mean handed to ``inner`` and the updates it returns."""
+
+  mean: PyTree  # _numerics.mean_dtypes: the wider of the grads' and params' dtypes
+  updates: PyTree  # what plain inner.update returns for these grads (eval_shape)
+  out: PyTree  # what this call returns: the params (fused) or ``updates``
 
 
 def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=None, **extra_args):
   """One microbatch: add it to the window; at a boundary, close the window."""
   _checks.state(state)
-  _checks.fingerprint(state.every_k, config.every_k_fp)
+  _checks.fingerprint(state, config.every_k_fp, config.scale_kind, config.static_scale)
   _checks.trees(grads, state.acc, params, config.accumulator_dtype)
+  _checks.replicated_params(params, config.axis_name)
   w = _checks.weight(weight)
   flush = _checks.flush_flag(flush)
   window = _Window(state.weight_sum + w, state.value_sum, state.value_weight)
@@ -262,12 +285,12 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
     )
   mini_step = state.mini_step + 1
   boundary = (mini_step >= config.window_length(state.num_updates)) | flush
-  out_like = grads if params is None else params
+  like = _likes(config, grads, state, params, fused, value, extra_args)
 
   def between(operands):
     acc, inner_state = operands
     # Params pass through untouched (the fused path), or exact zero updates.
-    out = params if fused else _buffers.distinct_zeros(out_like, boundary)
+    out = params if fused else _buffers.distinct_zeros(like.out, boundary)
     # Built from the state's own fields: zeros_like keeps their device variance,
     # so both cond branches agree under shard_map(check_vma=True).
     unchanged = {f: getattr(state, f) for f in _Closed._fields[1:]}
@@ -275,14 +298,15 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
 
   def close(operands):
     acc, inner_state = operands
-    return _close(
-      config, state, acc, window, inner_state, params, out_like, fused, value, extra_args
-    )
+    return _close(config, state, acc, window, inner_state, params, like, fused, value, extra_args)
 
   # The sum is added outside the cond: one fused, in-place pass over the donated
   # accumulator, which `between` passes through and `close` resets after reading.
   acc = _numerics.weighted_add(state.acc, grads, w)
-  out, acc, inner_state, closed = jax.lax.cond(boundary, close, between, (acc, state.inner_state))
+  operands = (acc, state.inner_state)
+  inputs = (grads, state, params, w, flush, value, extra_args)
+  branches = _vma.agree((close, between), operands, inputs)
+  out, acc, inner_state, closed = jax.lax.cond(boundary, *branches, operands)
 
   def reset(x):  # the window's scalars, zero again after a boundary
     return jnp.where(boundary, jnp.zeros_like(x), x)
@@ -295,13 +319,29 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
     value_weight=reset(window.value_weight),
     num_microbatches=optax.safe_increment(state.num_microbatches),
     every_k=state.every_k,
+    loss_scale_kind=state.loss_scale_kind,
     inner_state=inner_state,
     **closed._asdict(),
   )
   return out, new_state
 
 
-def _close(config, state, acc, window, inner_state, params, out_like, fused, value, extra_args):
+def _likes(config, grads, state, params, fused, value, extra_args) -> _Like:
+  """The window's dtypes (trace time, nothing computed): see :class:`_Like`."""
+  inner_args = dict(extra_args)
+  if value is not None:
+    inner_args["value"] = jnp.zeros((), _numerics.scalar_dtype())
+  plain = jax.eval_shape(
+    lambda g, s, p: config.inner.update(g, s, p, **inner_args)[0], grads, state.inner_state, params
+  )
+  # Zeros of the updates are built like the params (their sharding and device
+  # variance); the cast is dead code XLA drops.
+  like_out = grads if params is None else params
+  zeros_like = jax.tree.map(lambda x, u: x.astype(u.dtype), like_out, plain)
+  return _Like(_numerics.mean_dtypes(grads, params), plain, params if fused else zeros_like)
+
+
+def _close(config, state, acc, window, inner_state, params, like, fused, value, extra_args):
   """The boundary: one finite check, then apply (inner once), skip or nothing (empty)."""
   sums = (acc, *window)
   if config.axis_name is not None:  # the window's one all-reduce
@@ -309,37 +349,61 @@ def _close(config, state, acc, window, inner_state, params, out_like, fused, val
   g_sum, w_sum, v_sum, v_weight = sums
   denom = w_sum * state.loss_scale.astype(w_sum.dtype)
   norm, finite = _numerics.norm_and_finite(g_sum, denom)
-  # The mean goes to the inner optimizer in the params' dtypes: it must fit there too.
-  finite = finite & _numerics.fits(g_sum, denom, norm, config.clip_norm, out_like)
   empty = w_sum == 0
+  has_norm = ~empty & finite  # a NaN/Inf mean has no norm (an fp16 overflow has one)
+  # The mean goes to the inner optimizer in the wider of the grads' and params' dtypes:
+  # it must fit there too.
+  finite = finite & _numerics.fits(g_sum, denom, norm, config.clip_norm, like.mean)
   apply = ~empty & (finite | (not config.skip_nonfinite))
-  skipped = ~empty & ~finite & config.skip_nonfinite
   window_value = jnp.where(v_weight > 0, _numerics.guarded_divide(v_sum, v_weight), jnp.nan)
   inner_args = dict(extra_args)
   if value is not None:
     inner_args["value"] = window_value
 
   def run_inner(inner_state):
-    mean = _numerics.window_mean(g_sum, denom, norm, config.clip_norm, out_like)
-    updates, inner_state = config.inner.update(mean, inner_state, params, **inner_args)
-    updates = optax.tree.cast_like(updates, out_like)
+    mean = _numerics.window_mean(g_sum, denom, norm, config.clip_norm, like.mean)
+    updates, new_inner = config.inner.update(mean, inner_state, params, **inner_args)
+    updates = optax.tree.cast_like(updates, like.updates)
+    # The inner state keeps its dtypes (an fp16 param's Adam moments stay fp16).
+    new_inner = optax.tree.cast_like(new_inner, inner_state)
+    ok = None
+    if config.skip_nonfinite:
+      ok = _numerics.updates_finite(updates, new_inner, inner_state, (like.mean, like.out))
+    if ok is not None:  # narrow dtypes: a non-finite update or state skips the window
+      # Selected leafwise (XLA fuses the select into the inner optimizer's passes; a
+      # nested cond would copy the inner state).
+      keep = lambda new, old: jnp.where(ok, new, old)
+      updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros((), u.dtype)), updates)
+      new_inner = jax.tree.map(keep, new_inner, inner_state)
+    else:
+      ok = jnp.ones_like(apply)
     # Fused: params + updates written by the inner optimizer's last pass.
-    return (optax.apply_updates(params, updates) if fused else updates), inner_state
+    return (optax.apply_updates(params, updates) if fused else updates), new_inner, ok
 
   def keep_inner(inner_state):
-    return (params if fused else _buffers.distinct_zeros(out_like, apply)), inner_state
+    out = params if fused else _buffers.distinct_zeros(like.out, apply)
+    return out, inner_state, jnp.zeros_like(apply)
 
-  out, inner_state = jax.lax.cond(apply, run_inner, keep_inner, inner_state)
+  out, inner_state, ok = jax.lax.cond(apply, run_inner, keep_inner, inner_state)
+  finite = finite & (ok | ~apply)
+  applied = apply & ok
+  skipped = ~empty & ~finite & config.skip_nonfinite
   scale, streak = state.loss_scale, state.growth_streak
   if config.loss_scale is not None:
     new_scale, new_streak = config.loss_scale.adjust(scale, streak, finite)
     scale, streak = jnp.where(empty, scale, new_scale), jnp.where(empty, streak, new_streak)
+  # Nothing non-finite enters the state: "no value" is a flag (issue 11, item 1).
+  norm = norm.astype(state.grad_norm.dtype)
+  has_norm = has_norm & jnp.isfinite(norm)
+  has_loss = (v_weight > 0) & jnp.isfinite(window_value)
   closed = _Closed(
-    updated=apply,
-    num_updates=jnp.where(apply, optax.safe_increment(state.num_updates), state.num_updates),
+    updated=applied,
+    num_updates=jnp.where(applied, optax.safe_increment(state.num_updates), state.num_updates),
     num_skipped=jnp.where(skipped, optax.safe_increment(state.num_skipped), state.num_skipped),
-    window_loss=jnp.where(v_weight > 0, window_value, state.window_loss),
-    grad_norm=jnp.where(empty, state.grad_norm, norm.astype(state.grad_norm.dtype)),
+    window_loss=jnp.where(has_loss, window_value, state.window_loss),
+    has_window_loss=jnp.where(v_weight > 0, has_loss, state.has_window_loss),
+    grad_norm=jnp.where(has_norm, norm, state.grad_norm),
+    has_grad_norm=jnp.where(empty, state.has_grad_norm, has_norm),
     loss_scale=scale,
     growth_streak=streak,
   )

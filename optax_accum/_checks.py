@@ -18,12 +18,19 @@ import numpy as np
 
 from optax_accum import _numerics
 from optax_accum._state import AccumulationState
+from optax_accum._vma import varying
 
 PyTree = Any
 
 
 def options(
-  inner: Any, every_k_arg: Any, clip_norm: Any, skip_nonfinite: Any, loss_scale: Any
+  inner: Any,
+  every_k_arg: Any,
+  clip_norm: Any,
+  skip_nonfinite: Any,
+  loss_scale: Any,
+  accumulator_dtype: Any = None,
+  axis_name: Any = None,
 ) -> Callable[[jax.Array], jax.Array] | int:
   """Validates ``accumulate``'s configuration; returns the validated ``every_k``."""
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
@@ -46,15 +53,48 @@ def options(
       "loss_scale must be None, optax_accum.static_loss_scale(...) or "
       f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
     )
+  if accumulator_dtype is not None:
+    dtype = jnp.dtype(accumulator_dtype)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+      raise TypeError(
+        f"accumulator_dtype={dtype} needs 64-bit JAX: without jax_enable_x64 every array "
+        f"is at most 32-bit, so a {dtype} accumulator would silently be "
+        f"{jax.dtypes.canonicalize_dtype(dtype)}. Call "
+        "jax.config.update('jax_enable_x64', True) before creating the optimizer, or leave "
+        "accumulator_dtype=None (float32 for bf16/fp16/float32 gradients)."
+      )
+  axis_names(axis_name)
   return every_k(every_k_arg)
 
 
+def axis_names(axis_name: Any) -> None:
+  """Raises unless ``axis_name`` is None, a string or a non-empty tuple of strings."""
+  ok = axis_name is None or isinstance(axis_name, str)
+  if isinstance(axis_name, tuple):
+    ok = bool(axis_name) and all(isinstance(a, str) for a in axis_name)
+  if not ok:
+    raise TypeError(
+      f"axis_name must be None, a mesh axis name (a str) or a non-empty tuple of them, got "
+      f"{axis_name!r}. Pass the name used in jax.make_mesh / shard_map, e.g. "
+      "axis_name='data' or axis_name=('data', 'fsdp')."
+    )
+
+
+# Window positions, counters and streaks are int32 in the state.
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def positive_int(value: Any, name: str, meaning: str) -> int:
-  """``int(value)`` for an integer >= 1 (not a bool); a clear TypeError or ValueError otherwise."""
+  """``int(value)`` for an integer in [1, 2**31 - 1] (not a bool); a clear error otherwise."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"{name} must be a positive int ({meaning}), got {value!r}.")
   if value < 1:
     raise ValueError(f"{name} must be >= 1 ({meaning}), got {value}.")
+  if value > INT32_MAX:
+    raise ValueError(
+      f"{name} must be <= 2**31 - 1 = {INT32_MAX} ({meaning}; counted in int32), got "
+      f"{value}. Use a smaller {name}."
+    )
   return int(value)
 
 
@@ -63,6 +103,29 @@ def every_k(k: Any) -> Callable[[jax.Array], jax.Array] | int:
   if callable(k):
     return k
   return positive_int(k, "every_k", "microbatches per window, or a callable of num_updates")
+
+
+def window_length(k: Any) -> jax.Array:
+  """An ``every_k`` schedule's value as int32, never wrapped.
+
+  A concrete value above 2**31 - 1 raises; a traced one of a wider integer
+  dtype saturates at 2**31 - 1 (a window that does not close by count).
+  """
+  if not isinstance(k, jax.core.Tracer):
+    arr = np.asarray(k)
+    if arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer) and int(arr) > INT32_MAX:
+      raise ValueError(
+        f"every_k schedule returned {int(arr)}, above the int32 limit 2**31 - 1 = "
+        f"{INT32_MAX} of the window position. Return a smaller window length."
+      )
+  k = jnp.asarray(k)
+  if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
+    raise TypeError(
+      f"every_k schedule must return an integer scalar, got {k.dtype}{list(k.shape)}."
+    )
+  if jnp.iinfo(k.dtype).max > INT32_MAX:
+    k = jnp.minimum(k, jnp.asarray(INT32_MAX, k.dtype))
+  return k.astype(jnp.int32)
 
 
 def trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:
@@ -98,16 +161,64 @@ def trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:
       )
 
 
-def fingerprint(fp: Any, every_k_fp: int) -> None:
-  """Raises if a concrete state fingerprint ``fp`` differs from the configuration's."""
-  if isinstance(fp, jax.core.Tracer):
+def replicated_params(params: PyTree, axis_name: Any) -> None:
+  """Raises if ``params`` vary over ``axis_name`` inside ``shard_map`` (check_vma=True).
+
+  Under ``axis_name`` every device applies the same window mean to the same
+  params; device-varying params (a ``pcast`` copy) would give device-varying
+  updates and inner state that cannot be returned replicated.
+  """
+  if axis_name is None or params is None:
     return
-  fp = int(np.asarray(fp))
+  axes = {axis_name} if isinstance(axis_name, str) else set(axis_name)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    bad = axes & varying(leaf)
+    if bad:
+      raise ValueError(
+        f"params{jax.tree_util.keystr(path)} varies over the mesh axis {sorted(bad)} but "
+        f"accumulate(..., axis_name={axis_name!r}) keeps one replicated copy of the params: "
+        "pass tx.update the params as shard_map received them (in_specs P()), and "
+        "differentiate with respect to a device-varying copy only: "
+        f"jax.grad(loss)(jax.lax.pcast(params, {axis_name!r}, to='varying'), batch)."
+      )
+
+
+def fingerprint(
+  state: AccumulationState, every_k_fp: int, scale_kind: int, static_scale: float | None
+) -> None:
+  """Raises if a concrete state was made by another configuration.
+
+  Compares the ``every_k`` and ``loss_scale_kind`` fingerprints, and for a
+  static loss scale (or none) the state's ``loss_scale`` with the configured
+  value: a restored state with another loss scale would divide every window
+  mean by the wrong factor. Traced states are not checked (free under jit).
+  """
+  names = ("none", "static_loss_scale", "dynamic_loss_scale")
+  fields = (state.every_k, state.loss_scale_kind, state.loss_scale)
+  if any(isinstance(x, jax.core.Tracer) for x in fields):
+    return
+  fp, kind, scale = int(np.asarray(fields[0])), int(np.asarray(fields[1])), fields[2]
   if fp != every_k_fp:
     raise ValueError(
       f"This optimizer state was created with every_k={fp} (-1 means a schedule) but the "
       f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
       "accumulate() with the same configuration, or start a fresh state with tx.init."
+    )
+  if kind != scale_kind:
+    got = names[kind] if 0 <= kind < len(names) else f"unknown ({kind})"
+    raise ValueError(
+      f"This optimizer state was created with loss_scale={got} but the transformation has "
+      f"loss_scale={names[scale_kind]}: every window mean would be divided by the wrong "
+      "scale. Restore into an accumulate() with the same loss_scale, or finish the window "
+      "with the old configuration (optax_accum.flush) and start a fresh state with tx.init."
+    )
+  if static_scale is not None and float(np.asarray(scale)) != np.float32(static_scale):
+    raise ValueError(
+      f"This optimizer state has loss scale {float(np.asarray(scale))} but the "
+      f"transformation's static loss scale is {static_scale}: the open window's gradients "
+      "were scaled by the old value. Restore into an accumulate() with the same "
+      "static_loss_scale, or flush the window with the old configuration and start a fresh "
+      "state with tx.init."
     )
 
 
@@ -163,9 +274,17 @@ def weight(weight: Any, name: str = "weight") -> jax.Array:
     A 0-d array of ``_numerics.scalar_dtype()``.
 
   Raises:
-    ValueError: if the weight is not a scalar, or is concrete and negative or
-      not finite.
-    TypeError: if the weight is complex or not numeric.
+    ValueError: if the weight is not a scalar, or is concrete and negative,
+      not finite, an integer not exactly representable in the weight-sum
+      dtype (above 2**24 and odd, say, for float32), or a float that
+      overflows it (1e39 for float32). Nothing is ever wrapped.
+    TypeError: if the weight is complex, boolean or not an int, float or array
+      (a ``Fraction`` or ``Decimal``: convert it with ``float``).
+
+  Examples:
+    >>> import numpy as np
+    >>> weight(np.int64(3_000_000_000))  # exact in float32, not wrapped through int32
+    Array(3.e+09, dtype=float32)
   """
   if weight is None or isinstance(weight, (str, bytes)):
     raise TypeError(
@@ -184,14 +303,55 @@ def weight(weight: Any, name: str = "weight") -> jax.Array:
       f"{name} must be a scalar (the number of examples or unmasked tokens in this "
       f"microbatch), got shape {np.shape(weight)}. Sum it first, e.g. {name}=mask.sum()."
     )
+  if not isinstance(weight, (int, float, complex, np.number, np.ndarray, jax.Array)):
+    raise TypeError(
+      f"{name} must be an int, a float or an array, got {type(weight).__name__} "
+      f"{weight!r}. Convert it first, e.g. {name}=float(w) (weights are summed in "
+      f"{_numerics.scalar_dtype()})."
+    )
   dtype = jnp.result_type(weight)
   if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
     raise TypeError(f"{name} must be a real number, got dtype {dtype}.")
-  if not isinstance(weight, jax.core.Tracer):
-    value = float(np.asarray(weight))
-    if not np.isfinite(value) or value < 0:
+  if isinstance(weight, jax.core.Tracer):
+    return jnp.asarray(weight).astype(_numerics.scalar_dtype())
+  return jnp.asarray(_concrete_weight(np.asarray(weight), name))
+
+
+def _concrete_weight(arr: np.ndarray, name: str) -> np.ndarray:
+  """A concrete weight as a 0-d array of the weight-sum dtype: never wrapped or overflowed.
+
+  Integers (of any width, signed or not) are converted from their exact value,
+  not through JAX's 32-bit integers, and must be exactly representable in the
+  weight-sum dtype; floats must stay finite in it.
+  """
+  out_dtype = _numerics.scalar_dtype()
+  if np.issubdtype(arr.dtype, np.integer):
+    exact = int(arr)
+    if exact < 0:
       raise ValueError(
-        f"{name} must be finite and non-negative, got {value}. A microbatch with no "
+        f"{name} must be finite and non-negative, got {exact}. A microbatch with no "
         f"real examples has {name}=0; a negative {name} has no meaning."
       )
-  return jnp.asarray(weight).astype(_numerics.scalar_dtype())
+    out = np.asarray(float(exact) if exact < 2**1000 else np.inf, out_dtype)
+    if not np.isfinite(out) or int(out) != exact:
+      raise ValueError(
+        f"{name}={exact} is not exactly representable in {out_dtype}, the dtype of the "
+        f"weight sum (integers up to 2**{np.finfo(out_dtype).nmant + 1} always are). Pass "
+        f"{name}=float(w) to accept the rounding, or enable jax_enable_x64 for float64 sums."
+      )
+    return out
+  value = float(arr)
+  if not np.isfinite(value) or value < 0:
+    raise ValueError(
+      f"{name} must be finite and non-negative, got {value}. A microbatch with no "
+      f"real examples has {name}=0; a negative {name} has no meaning."
+    )
+  with np.errstate(over="ignore"):
+    out = np.asarray(value, out_dtype)
+  if not np.isfinite(out):
+    raise ValueError(
+      f"{name}={value} overflows {out_dtype}, the dtype of the weight sum (max "
+      f"{float(np.finfo(out_dtype).max):.3g}). Rescale the weights (only their ratios "
+      "matter), or enable jax_enable_x64 for float64 sums."
+    )
+  return out

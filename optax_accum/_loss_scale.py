@@ -24,6 +24,8 @@ from optax_accum import _checks
 
 # The scale lives in a float32 state: anything above this would be inf there.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The growth streak lives in an int32 state.
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +137,11 @@ class DynamicLossScale:
           np.isfinite(v["growth_interval"])
           and int(v["growth_interval"]) == v["growth_interval"] >= 1,
           "growth_interval must be an integer >= 1",
+        ),
+        (
+          v["growth_interval"] <= _INT32_MAX,
+          f"growth_interval must be <= 2**31 - 1 = {_INT32_MAX} (the streak of applied "
+          f"windows is an int32 counter), got {self.growth_interval}; use a smaller interval",
         ),
         (
           0 < v["min_scale"] <= v["max_scale"] <= finite,

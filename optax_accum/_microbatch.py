@@ -7,7 +7,7 @@ activations are live at a time, so the step's temporary memory is about ``1/K``
 of the physical batch's activations plus one gradient-sized carry.
 
 The sums and the division are :mod:`optax_accum._numerics`'s
-(``weighted_add``, ``guarded_divide``, ``accumulator_dtype``, ``check_weight``),
+(``weighted_add``, ``guarded_divide``, ``accumulator_dtype``; ``_checks.weight``),
 the same code the across-step :func:`optax_accum.accumulate` runs, so both
 paths round the same way and an empty (all-padding) batch gives zeros, not NaN.
 

@@ -124,7 +124,8 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   The common case reads ``g_sum`` once: ``sqrt(sum(g_sum**2)) / |denom|``. When
   that bound is finite and below a quarter of the dtype's maximum, no element
   of the mean can be Inf or NaN. Otherwise (a non-finite window, or a sum of
-  squares that overflowed) the exact check and norm of the guarded mean run, so
+  squares that overflowed or may have underflowed: below ``tiny / eps``) the
+  exact check and norm of the guarded mean (rescaled by its largest element) run, so
   the result never differs from ``all_finite`` / ``optax.tree.norm`` of the mean
   except by rounding of the norm.
   """
@@ -139,6 +140,12 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   absd = jnp.abs(safe)
   bound = jnp.where(nonzero, jnp.sqrt(sq.astype(dtype)) / absd, jnp.zeros((), dtype))
   fast = jnp.isfinite(bound) & (bound < jnp.asarray(limit, dtype))
+  # Nor underflow: a sum of squares below tiny / eps may have lost its elements
+  # (weight=1e-25 squares to 0 in float32), so the norm would read 0 and
+  # clipping would not happen. Such windows (all-zero ones too) take the exact,
+  # rescaled path.
+  sq_info = jnp.finfo(sq.dtype)
+  fast = fast & (sq >= jnp.asarray(float(sq_info.tiny) / float(sq_info.eps), sq.dtype))
   for x in leaves:  # the divisor must not underflow in a narrow accumulator dtype
     fast = fast & (safe.astype(x.dtype) != 0)
 
@@ -176,13 +183,46 @@ def clip_factor(norm: jax.Array, max_norm: float) -> jax.Array:
   return jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
 
 
+def mean_dtypes(grads: PyTree, params: PyTree | None) -> PyTree:
+  """Per leaf, the dtype the window mean is handed to the inner optimizer in.
+
+  The wider of the gradient's and the param's dtype (``promote_types``): the
+  inner optimizer never computes in a dtype narrower than the gradients it
+  would receive without accumulation (fp16 params with float32 gradients get a
+  float32 mean: Adam's ``eps`` underflows in fp16), and float32 master params
+  keep the float32 mean of bf16/fp16 gradients. Issue 11, item 3.
+
+  Args:
+    grads: the gradients (arrays or anything with ``dtype``).
+    params: the params, or None (the gradients' dtypes).
+
+  Returns:
+    A tree like ``grads`` of ``jax.ShapeDtypeStruct``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> g = {'w': jnp.zeros(2, jnp.float32), 'b': jnp.zeros((), jnp.bfloat16)}
+    >>> p = {'w': jnp.zeros(2, jnp.float16), 'b': jnp.zeros((), jnp.float32)}
+    >>> {k: str(v.dtype) for k, v in mean_dtypes(g, p).items()}
+    {'b': 'float32', 'w': 'float32'}
+  """
+  if params is None:
+    return jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
+  return jax.tree.map(
+    lambda g, p: jax.ShapeDtypeStruct(jnp.shape(g), promote_types(g.dtype, p.dtype)),
+    grads,
+    params,
+  )
+
+
 def window_mean(
   g_sum: PyTree, denom: jax.Array, norm: jax.Array, clip_norm: float | None, like: PyTree
 ) -> PyTree:
   """The window mean as the inner optimizer receives it.
 
   ``g_sum * (1 / denom)``, clipped to ``clip_norm`` given the pre-clip global
-  ``norm``, cast leafwise to the dtypes of ``like``; zeros where ``denom == 0``.
+  ``norm``, cast leafwise to the dtypes of ``like`` (:func:`mean_dtypes`); zeros
+  where ``denom == 0``.
   One scalar per window (the reciprocal of ``denom`` times the clip factor)
   multiplies every element, so XLA fuses the mean into the inner optimizer's
   passes instead of materializing it (it does not duplicate a division into its
@@ -194,10 +234,51 @@ def window_mean(
   if clip_norm is not None:
     factor = factor * clip_factor(norm, clip_norm).astype(factor.dtype)
 
-  def scale(x):
-    return jnp.where(nonzero, x * factor.astype(x.dtype), jnp.zeros((), x.dtype))
+  def scale(x, t):
+    y = jnp.where(nonzero, x * factor.astype(x.dtype), jnp.zeros((), x.dtype))
+    return y.astype(t.dtype)
 
-  return optax.tree.cast_like(jax.tree.map(scale, g_sum), like)
+  return jax.tree.map(scale, g_sum, like)
+
+
+def _narrow(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def updates_finite(
+  updates: PyTree, new_inner: PyTree, old_inner: PyTree, like: PyTree
+) -> jax.Array | None:
+  """Whether the inner optimizer's updates (and its narrowed state) are finite; None: not read.
+
+  Read only where a 16-bit dtype is involved: an update leaf, a leaf of ``like``
+  (the mean's and the output's dtypes), or an inner-state leaf kept in 16 bits
+  (``old_inner``'s dtype). A finite float32 mean gives finite float32 updates for
+  every optax optimizer short of an absurd learning rate, so the common float32
+  step pays no pass over the updates. Issue 11, item 3.
+
+  Args:
+    updates: the inner optimizer's updates, in their final dtypes.
+    new_inner: its new state, cast back to ``old_inner``'s dtypes.
+    old_inner: its state before the window.
+    like: trees of arrays or shape-dtype structs whose dtypes matter.
+
+  Returns:
+    A boolean scalar, or None when nothing 16-bit is involved.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> u = jnp.array([1.0, jnp.inf], jnp.float16)
+    >>> bool(updates_finite(u, (), (), u))
+    False
+    >>> updates_finite(jnp.ones(2), (), (), jnp.ones(2)) is None
+    True
+  """
+  pairs = zip(jax.tree.leaves(new_inner), jax.tree.leaves(old_inner), strict=True)
+  narrowed = [new for new, old in pairs if _narrow(old.dtype)]
+  dtypes = [x.dtype for x in jax.tree.leaves((updates, like))]
+  if not narrowed and not any(_narrow(d) for d in dtypes):
+    return None
+  return all_finite((updates, narrowed))
 
 
 def fits(

@@ -81,15 +81,41 @@ def _leaves_by_path(tree: PyTree) -> dict[str, Any]:
   return out
 
 
-def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[int]:
-  """The ``every_k`` fingerprints ``tx.init`` writes, computed without materializing it."""
+_SCALE_KINDS = ("none", "static_loss_scale", "dynamic_loss_scale")
+
+
+def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[tuple[int, int, float]]:
+  """``(every_k, loss_scale_kind, loss_scale)`` of each state ``tx.init`` writes.
+
+  Computed without materializing the state.
+  """
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
 
   def fps():
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    return [s.every_k for s in find_states(tx.init(zeros))]
+    return [(s.every_k, s.loss_scale_kind, s.loss_scale) for s in find_states(tx.init(zeros))]
 
-  return [int(x) for x in jax.jit(fps)()]
+  return [(int(k), int(kind), float(scale)) for k, kind, scale in jax.jit(fps)()]
+
+
+def _scale_problems(restored: list, expected: list) -> list[str]:
+  """What differs in the loss-scale configuration (kind; a static or absent scale's value)."""
+  problems = []
+  for i, ((_, kind, scale), (_, want_kind, want_scale)) in enumerate(
+    zip(restored, expected, strict=True)
+  ):
+    name = lambda k: _SCALE_KINDS[k] if 0 <= k < len(_SCALE_KINDS) else f"unknown ({k})"
+    where = f"accumulate state {i}: " if len(expected) > 1 else ""
+    if kind != want_kind:
+      problems.append(
+        f"{where}loss_scale={name(kind)} in the checkpoint, {name(want_kind)} in this "
+        "transformation"
+      )
+    elif want_kind != 2 and scale != want_scale:  # none (1.0) or static: the value is config
+      problems.append(
+        f"{where}loss scale {scale} in the checkpoint, {want_scale} in this transformation"
+      )
+  return problems
 
 
 def check_compatible(
@@ -98,10 +124,12 @@ def check_compatible(
   """Checks that a restored optimizer state belongs to ``tx`` before training on.
 
   Compares ``state`` with ``tx.init(params)`` (evaluated abstractly): the same
-  leaves (by path), shapes and dtypes, and the same ``every_k`` fingerprint in
-  every :func:`optax_accum.accumulate` state. Resuming a window with another
-  window length or accumulator dtype would silently mix windows or round the
-  open window's sum differently.
+  leaves (by path), shapes and dtypes, and the same configuration fingerprints
+  in every :func:`optax_accum.accumulate` state: ``every_k``, the loss-scale
+  kind (none, static, dynamic) and, for a static loss scale or none, its
+  value. Resuming a window with another window length, loss scale or
+  accumulator dtype would silently mix windows, divide by the wrong scale or
+  round the open window's sum differently.
 
   Orbax casts leaves to the restore target's dtypes, so a dtype change is only
   visible in the checkpoint's metadata: check it before restoring, then the
@@ -126,8 +154,8 @@ def check_compatible(
     ``state``, unchanged.
 
   Raises:
-    ValueError: listing every differing leaf, or the fingerprints, with what
-      to do.
+    ValueError: listing every differing leaf, or the fingerprints (``every_k``,
+      loss scale), with what to do.
 
   Examples:
     >>> import optax, optax_accum
@@ -168,17 +196,31 @@ def check_compatible(
       "optimizer, accumulator_dtype and param dtypes), or start a fresh optimizer state "
       "with tx.init(params) and keep only the params."
     )
-  restored = [s.every_k for s in find_states(state)]
-  if restored and not any(isinstance(x, jax.core.Tracer) for x in restored):
-    restored_fp = [int(np.asarray(x)) for x in restored]
+  found = find_states(state)
+  restored = [(s.every_k, s.loss_scale_kind, s.loss_scale) for s in found]
+  if restored and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(restored)):
+    restored = [
+      (int(np.asarray(k)), int(np.asarray(c)), float(np.asarray(v))) for k, c, v in restored
+    ]
     expected_fp = _fingerprints(tx, params)
-    if restored_fp != expected_fp:
+    restored_k, expected_k = [r[0] for r in restored], [e[0] for e in expected_fp]
+    if restored_k != expected_k:
       show = lambda fp: fp[0] if len(fp) == 1 else fp
       raise ValueError(
-        f"The restored optimizer state was written with every_k={show(restored_fp)} (-1 "
-        f"means a schedule) but this transformation has every_k={show(expected_fp)}. Its "
+        f"The restored optimizer state was written with every_k={show(restored_k)} (-1 "
+        f"means a schedule) but this transformation has every_k={show(expected_k)}. Its "
         "open window would close at the wrong length and mix windows. Resume with the same "
         "every_k, or finish the window with the old configuration (optax_accum.flush) and "
+        "start a fresh state with tx.init(params)."
+      )
+    problems = _scale_problems(restored, expected_fp)
+    if problems:
+      raise ValueError(
+        "The restored optimizer state was written with another loss-scale configuration:\n  "
+        + "\n  ".join(problems)
+        + "\nEvery window mean would be divided by the wrong scale. Resume with the same "
+        "loss_scale (static_loss_scale / dynamic_loss_scale and, for a static one, the same "
+        "value), or finish the window with the old configuration (optax_accum.flush) and "
         "start a fresh state with tx.init(params)."
       )
   return state

@@ -206,7 +206,8 @@ def stack_windows(
     over a tuple of axes), same dtypes.
 
   Raises:
-    KeyError: if ``axis_name`` (or one of its axes) is not an axis of ``mesh``.
+    KeyError: if ``axis_name`` (or one of its axes) is not an axis of ``mesh``;
+      the message lists the mesh's axes.
 
   Examples:
     >>> import optax, optax_accum
@@ -217,6 +218,13 @@ def stack_windows(
     ((8, 3), (8,), ())
   """
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  unknown = [a for a in axes if a not in mesh.shape]
+  if unknown or not axes:
+    raise KeyError(
+      f"stack_windows: axis_name={axis_name!r} names no axis of the mesh (unknown: "
+      f"{unknown}); the mesh has axes {tuple(mesh.shape)}. Pass the data-parallel mesh "
+      "axis, the same as accumulate(..., axis_name=...)."
+    )
   n = int(np.prod([mesh.shape[a] for a in axes]))
   stacked = map_states(
     lambda s: map_window(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), s),
@@ -248,8 +256,8 @@ def local_state(opt_state: PyTree) -> PyTree:
     indexed away; dtypes unchanged). Every other leaf is passed through.
 
   Raises:
-    IndexError: if the window sums have no device axis (a state that did not
-      come from :func:`stack_windows`: its 0-d ``weight_sum`` cannot be indexed).
+    ValueError: if the window sums have no device axis (a state that did not
+      come from :func:`stack_windows`), naming what to pass instead.
 
   Examples:
     >>> import optax, optax_accum
@@ -258,7 +266,18 @@ def local_state(opt_state: PyTree) -> PyTree:
     >>> block.acc['w'].shape, optax_accum.sharding.local_state(block).acc['w'].shape
     ((1, 3), (3,))
   """
-  return map_states(lambda s: map_window(lambda x: x[0], s), opt_state)
+
+  def drop(s):
+    if np.ndim(s.weight_sum) != 1:
+      raise ValueError(
+        "local_state: the window sums have no device axis (weight_sum has shape "
+        f"{np.shape(s.weight_sum)}, expected [1] inside shard_map). local_state takes the "
+        "shard_map block of a state laid out by optax_accum.sharding.stack_windows (with "
+        "window_specs as in_specs); a state straight from tx.init needs no local_state."
+      )
+    return map_window(lambda x: x[0], s)
+
+  return map_states(drop, opt_state)
 
 
 def stacked_state(opt_state: PyTree) -> PyTree:

@@ -26,7 +26,10 @@ class AccumulationState(NamedTuple):
   """State of :func:`accumulate`. Every field is an array; scalars are 0-d.
 
   The structure is the same in every configuration (with or without a loss
-  scale, clipping or a schedule), so checkpoints stay compatible.
+  scale, clipping or a schedule), so checkpoints stay compatible. Every float
+  leaf is finite at all times (``jax_debug_nans`` / ``jax_debug_infs`` safe) as
+  long as the gradients fed in are finite; "no value yet" is a boolean flag
+  (``has_window_loss``, ``has_grad_norm``), never NaN.
 
   Attributes:
     mini_step: int32, microbatches accumulated in the current window (the
@@ -43,17 +46,28 @@ class AccumulationState(NamedTuple):
     num_updates: int32, windows applied (the inner optimizer ran).
     num_skipped: int32, windows skipped because their mean was not finite.
     updated: bool, whether the last call applied an update.
-    window_loss: the weighted mean ``value`` of the last closed window (NaN
-      until a window with ``value`` closes).
+    window_loss: the weighted mean ``value`` of the last closed window whose
+      mean ``value`` was finite (0.0 until then; see ``has_window_loss``).
+    has_window_loss: bool, whether ``window_loss`` holds a value: False until a
+      window with a finite mean ``value`` closes, and after a window whose
+      mean ``value`` was NaN or Inf (``window_loss`` then keeps the last finite
+      one).
     grad_norm: global L2 norm of the last closed window's unscaled mean
-      gradient, before clipping (NaN until a window closes; inf or NaN for a
-      skipped window).
+      gradient, before clipping, if that norm was finite; else the last finite
+      one (0.0 until a window closes; see ``has_grad_norm``).
+    has_grad_norm: bool, whether ``grad_norm`` is the norm of the last closed
+      (non-empty) window: False before the first window closes and after a
+      window whose mean was not finite (a skipped window).
     loss_scale: float32, the scale to multiply the loss by in the current
       window (1.0 without a loss scale).
     growth_streak: int32, consecutive applied windows since the scale last
       changed (dynamic loss scale only; 0 otherwise).
     every_k: int32 fingerprint of the configuration: the window length, or -1
       when ``every_k`` is a schedule. Checked on every concrete call.
+    loss_scale_kind: int32 fingerprint of the loss-scale configuration: 0 for
+      none, 1 for :func:`optax_accum.static_loss_scale` (whose value must then
+      equal ``loss_scale``), 2 for :func:`optax_accum.dynamic_loss_scale`.
+      Checked on every concrete call and by ``check_compatible``.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -78,10 +92,13 @@ class AccumulationState(NamedTuple):
   num_skipped: jax.Array
   updated: jax.Array
   window_loss: jax.Array
+  has_window_loss: jax.Array
   grad_norm: jax.Array
+  has_grad_norm: jax.Array
   loss_scale: jax.Array
   growth_streak: jax.Array
   every_k: jax.Array
+  loss_scale_kind: jax.Array
   inner_state: PyTree
 
 
@@ -164,11 +181,17 @@ class Metrics(NamedTuple):
     num_skipped: int32, windows skipped for a NaN or Inf.
     pending_weight: float, the weight (examples or tokens) in the open window.
     updated: bool, whether the last call applied an update.
-    window_loss: float, weighted mean ``value`` of the last closed window (NaN
-      when ``value`` was never passed).
+    window_loss: float, weighted mean ``value`` of the last closed window with
+      a finite one (0.0 when there is none: read ``has_window_loss``).
+    has_window_loss: bool, False while there is no window loss to log (no
+      window with ``value`` has closed, or the last one's mean was NaN/Inf).
     loss_scale: float32, the loss scale for the current window (1.0 unscaled).
     grad_norm: float, pre-clip global norm of the last closed window's mean
-      gradient (NaN before the first window closes).
+      gradient (0.0 before the first window closes; the last finite norm after
+      a skipped window: read ``has_grad_norm``).
+    has_grad_norm: bool, False while ``grad_norm`` is not the last closed
+      window's norm ("no value yet": before the first window closes, or after a
+      window whose mean was NaN/Inf).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -182,6 +205,8 @@ class Metrics(NamedTuple):
     (True, 1, 0, 2)
     >>> float(m.window_loss), round(float(m.grad_norm), 4)  # (3*1 + 1*3) / 4; |(1, 1)|
     (1.5, 1.4142)
+    >>> bool(m.has_window_loss), bool(m.has_grad_norm)
+    (True, True)
   """
 
   mini_step: jax.Array
@@ -193,6 +218,8 @@ class Metrics(NamedTuple):
   window_loss: jax.Array
   loss_scale: jax.Array
   grad_norm: jax.Array
+  has_window_loss: jax.Array
+  has_grad_norm: jax.Array
 
 
 def metrics(opt_state: PyTree) -> Metrics:
@@ -230,6 +257,8 @@ def metrics(opt_state: PyTree) -> Metrics:
     window_loss=s.window_loss,
     loss_scale=s.loss_scale,
     grad_norm=s.grad_norm,
+    has_window_loss=s.has_window_loss,
+    has_grad_norm=s.has_grad_norm,
   )
 
 
@@ -326,7 +355,9 @@ def flush(
 
   Raises:
     ValueError: if ``state`` holds no :class:`AccumulationState` (flushing a
-      plain optimizer would run a real step on zero gradients), or several.
+      plain optimizer would run a real step on zero gradients), or several,
+      or if ``state`` is not a state of ``tx`` for these ``params`` (its tree,
+      shapes or dtypes differ from ``tx.init(params)``'s).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -339,7 +370,28 @@ def flush(
     >>> updates['w']  # the mean of the two, not divided by 4
     Array(9.5, dtype=float32)
   """
+  _belongs(tx, state, params)
   return flush_with(tx.update, state, params, extra_args)
+
+
+def _belongs(tx: optax.GradientTransformation, state: PyTree, params: PyTree) -> None:
+  """Raises unless ``state`` has the tree, shapes and dtypes of ``tx.init(params)``.
+
+  The check of :func:`flush`'s arguments. It lives here, not in ``_checks``,
+  because ``_checks`` imports this module (docs/design.md: imports point down).
+  """
+  if not find_states(state):
+    return  # flush_with says what is missing
+  expected = jax.eval_shape(tx.init, params)
+  leaves = lambda t: [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(t)]
+  same = jax.tree.structure(expected) == jax.tree.structure(state)
+  if not same or leaves(expected) != leaves(state):
+    raise ValueError(
+      "flush(tx, state, params): state is not a state of tx for these params (its tree, "
+      "shapes or dtypes differ from tx.init(params)). Pass the transformation that "
+      "produced state (the same optax.chain and inner optimizer) and the params it was "
+      "initialized with."
+    )
 
 
 def flush_with(

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _finite import assert_state_finite
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,6 +140,7 @@ def test_resume_mid_window_is_bitwise_equal(tmp_path):
 
   chex.assert_trees_all_equal(params_b, params_a)
   chex.assert_trees_all_equal(state_b, state_a)
+  assert_state_finite(state_b)
   chex.assert_trees_all_equal(updates_b, updates_a)
   assert int(state_a.num_updates) == 3
 
@@ -188,6 +190,7 @@ def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
   assert state_b.acc["theta"].sharding.is_equivalent_to(NamedSharding(mesh, P(AXIS)), 2)
   params_b, state_b, rest = run(step, params_b, state_b, batches[SAVE_AFTER:], batch_sharding)
   chex.assert_trees_all_equal((params_b, state_b, updates_b + rest), (params_a, state_a, updates_a))
+  assert_state_finite(state_b)
   with pytest.raises(ValueError, match="acc"):  # a stacked state is not a plain one
     optax_accum.sharding.check_compatible(tx, params0, state_b)
 
@@ -227,3 +230,40 @@ def test_restore_into_another_accumulator_dtype_raises(mid_window_checkpoint):
   # Why the metadata is checked: Orbax casts to the target's dtype without a word.
   state = restore(path, jax.eval_shape(other.init, params))
   assert state.acc["theta"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+  "saved,resumed,match",
+  [
+    (
+      optax_accum.dynamic_loss_scale(init_scale=2.0**8),
+      None,
+      r"loss_scale=dynamic_loss_scale in the checkpoint, none in this transformation",
+    ),
+    (
+      optax_accum.static_loss_scale(128.0),
+      optax_accum.static_loss_scale(1024.0),
+      r"loss scale 128.0 in the checkpoint, 1024.0 in this transformation",
+    ),
+    (
+      None,
+      optax_accum.static_loss_scale(128.0),
+      r"loss_scale=none in the checkpoint, static_loss_scale in this transformation",
+    ),
+  ],
+  ids=["dynamic-into-none", "static128-into-static1024", "none-into-static"],
+)
+def test_restore_into_another_loss_scale_raises(tmp_path, saved, resumed, match):
+  """Issue 11, item 4: check_compatible accepted these; every window mean was then divided
+  by the wrong scale (256 forever, or 128 kept for 1024). Through orbax, then update()."""
+  params = {"theta": jnp.array([0.5, -1.0, 2.0]), "b": jnp.zeros(())}
+  tx = optax_accum.accumulate(optax.adamw(0.1), 4, loss_scale=saved)
+  save(tmp_path / "ckpt", tx.init(params))
+  other = optax_accum.accumulate(optax.adamw(0.1), 4, loss_scale=resumed)
+  optax_accum.sharding.check_compatible(other, params, metadata(tmp_path / "ckpt"))
+  state = restore(tmp_path / "ckpt", jax.eval_shape(other.init, params))
+  with pytest.raises(ValueError, match=match):
+    optax_accum.sharding.check_compatible(other, params, state)
+  with pytest.raises(ValueError, match="loss"):  # update() refuses it too
+    other.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  optax_accum.sharding.check_compatible(tx, params, state)  # its own configuration is fine

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _finite import assert_state_finite
 
 import optax_accum
 
@@ -615,7 +616,7 @@ def test_get_loss_scale_and_metrics_inside_a_chain():
     _, state = step(_scaled({"w": jnp.asarray(g)}, state), state, params)
   m = optax_accum.metrics(state)
   assert float(optax_accum.get_loss_scale(state)) == 512.0 == float(m.loss_scale)
-  assert int(m.num_skipped) == 1 and not math.isfinite(float(m.grad_norm))
+  assert int(m.num_skipped) == 1 and not bool(m.has_grad_norm)  # no NaN/Inf kept (item 1)
   for g in ([3.0, 0.0], [0.0, 4.0]):
     updates, state = step(_scaled({"w": jnp.asarray(g)}, state), state, params)
   m = optax_accum.metrics(state)
@@ -734,3 +735,74 @@ def test_docs_example_runs():
   assert float(m.loss_scale) == 2.0**16 * 0.5 ** int(m.num_skipped)
   assert _all_finite(ns["params"]) and not np.all(np.asarray(ns["params"]["w"]) == 0)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(ns["params"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 11, item 3: the inner optimizer computes in the wider of the grads' and params' dtypes,
+# and the updates have the dtypes plain `inner` returns (optax's test_multi_steps_mixed_precision).
+
+DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
+DTYPE_IDS = ["f16", "bf16", "f32"]
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("inner_name", ["sgd", "adam"])
+def test_updates_have_the_dtypes_plain_inner_returns(param_dtype, grad_dtype, inner_name):
+  """Issue 11, item 3: every (params, grads) dtype pair; every_k=1 with weight 1 is plain inner.
+
+  The reference is the plain inner optimizer on the same gradients, and for the values
+  on the gradients cast to the wider dtype (the dtype the window mean is handed over in).
+  """
+  make = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-3)}[inner_name]
+  params = {"w": jnp.zeros(3, param_dtype), "b": jnp.zeros((), jnp.float32)}
+  # Values that fp16 Adam survives (plain adam on fp16 grads of 1e-3 divides by 0).
+  grads = {"w": jnp.asarray([0.5, 1.0, -2.0], grad_dtype), "b": jnp.asarray(0.5, grad_dtype)}
+  tx = optax_accum.accumulate(make(), every_k=1)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  plain, _ = make().update(grads, make().init(params), params)
+  chex.assert_trees_all_equal_dtypes(updates, plain)
+  wide = jax.tree.map(lambda g, p: g.astype(jnp.promote_types(g.dtype, p.dtype)), grads, params)
+  ref, _ = make().update(wide, make().init(params), params)
+  ref = jax.tree.map(lambda r, u: r.astype(u.dtype), ref, updates)
+  chex.assert_trees_all_close(updates, ref, rtol=1e-6)
+  assert _all_finite(updates) and int(state.num_updates) == 1
+
+
+def test_fp16_params_with_float32_grads_adam_is_finite():
+  """Issue 11, item 3: adam on fp16 params with float32 grads [1e-3, 1] applied [-inf, -0.001].
+
+  Plain optax.adam gives -lr * g / (|g| + eps) ~ -1e-3 for both (float32), and so must we.
+  """
+  tx = optax_accum.accumulate(optax.adam(1e-3), 1)
+  params = jnp.zeros(2, jnp.float16)
+  grads = jnp.asarray([1e-3, 1.0], jnp.float32)
+  updates, state = tx.update(grads, tx.init(params), params)
+  plain, _ = optax.adam(1e-3).update(grads, optax.adam(1e-3).init(params), params)
+  assert updates.dtype == plain.dtype == jnp.float32
+  np.testing.assert_allclose(updates, plain, rtol=1e-6)
+  assert (int(state.num_updates), int(state.num_skipped)) == (1, 0)
+
+
+def test_non_finite_inner_updates_skip_the_window():
+  """Issue 11, item 3: a finite mean whose inner updates overflow fp16 is skipped, not applied.
+
+  sgd(1e4) on fp16 params and grads of 10: the update -1e5 does not fit fp16 (max 65504).
+  The inner state stays untouched (its count), the window is counted as skipped, the
+  dynamic scale backs off; the next window (grads 1: update -1e4) applies.
+  """
+  rule = optax_accum.dynamic_loss_scale(init_scale=1.0, min_scale=2.0**-4)
+  inner = optax.chain(optax.scale_by_schedule(lambda n: jnp.ones(())), optax.sgd(1e4))
+  tx = optax_accum.accumulate(inner, every_k=1, loss_scale=rule)
+  params = jnp.zeros(2, jnp.float16)
+  state = tx.init(params)
+  updates, state = tx.update(jnp.full(2, 10.0, jnp.float16), state, params)
+  np.testing.assert_array_equal(np.asarray(updates), [0.0, 0.0])
+  assert (int(state.num_updates), int(state.num_skipped)) == (0, 1) and not bool(state.updated)
+  assert int(state.inner_state[0].count) == 0  # the inner state is untouched
+  assert float(state.loss_scale) == 0.5
+  assert_state_finite(state)
+  updates, state = tx.update(jnp.full(2, 0.5, jnp.float16), state, params)  # 0.5 = 1 * scale
+  np.testing.assert_array_equal(np.asarray(updates, np.float32), [-1e4, -1e4])
+  assert (int(state.num_updates), int(state.num_skipped)) == (1, 1)
+  assert int(state.inner_state[0].count) == 1

@@ -129,7 +129,10 @@ def test_non_finite_window_skipped(bad, norm_is):
   g = _tree([1.0, bad, 0.0, 1.0], np.ones((2, 3)))
   u, m = _one_window([g, _tree(np.ones(4), np.ones((2, 3)))], [1, 1])
   assert not bool(m.updated) and int(m.num_skipped) == 1
-  assert norm_is(float(m.grad_norm))
+  # The boundary's norm is Inf/NaN; the state keeps no such value (issue 11, item 1).
+  norm, finite = _numerics.norm_and_finite(jax.tree.map(jnp.asarray, g), jnp.float32(2.0))
+  assert norm_is(float(norm)) and not bool(finite)
+  assert not bool(m.has_grad_norm) and float(m.grad_norm) == 0.0
   chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, u))
 
 
@@ -144,7 +147,7 @@ def test_mean_that_overflows_only_after_division_is_skipped():
   params = {"a": jnp.zeros(4), "b": jnp.zeros((2, 3))}
   _, state = jax.jit(tx.update)(g, tx.init(params), params)
   m = optax_accum.metrics(state)  # mean = g / 1e-20 = 1e50: not finite in float32
-  assert not bool(m.updated) and int(m.num_skipped) == 1 and np.isinf(float(m.grad_norm))
+  assert not bool(m.updated) and int(m.num_skipped) == 1 and not bool(m.has_grad_norm)
 
 
 @pytest.mark.parametrize("clip", [0.5, 100.0])
@@ -155,3 +158,45 @@ def test_clip_matches_optax(clip):
   mean = jax.tree.map(lambda a, b: (a + 3 * b) / 4, g1, g2)
   ref, _ = optax.clip_by_global_norm(clip).update(mean, optax.EmptyState())
   chex.assert_trees_all_close(u, jax.tree.map(lambda x: -x, ref), rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-25, 1e-30, 1e-35])  # squares: 0 in float32
+def test_norm_of_tiny_sums_does_not_underflow(scale):
+  """Issue 11, item 6: sum(g**2) of a window summed with weight 1e-25 underflowed to 0.
+
+  The fast path reported a norm of 0 (so no clipping). The norm of the mean does not
+  depend on the weight: |(3, 4)| = 5 by hand.
+  """
+  g_sum = {"a": jnp.array([3.0, 0.0], jnp.float32) * scale, "b": jnp.array(4.0 * scale)}
+  denom = jnp.asarray(scale, jnp.float32)
+  norm, finite = jax.jit(_numerics.norm_and_finite)(g_sum, denom)
+  assert bool(finite)
+  np.testing.assert_allclose(norm, 5.0, rtol=1e-5)
+
+
+def test_tiny_weights_are_clipped_in_accumulate():
+  """Issue 11, item 6: weight=1e-25 with clip_norm=0.5: grad_norm was 0 and nothing clipped.
+
+  With fp16 params an Inf was applied. Expected by hand: mean (3, 4), norm 5, clipped to
+  0.5 * (0.6, 0.8) = (0.3, 0.4); an SGD(1) step is its negative.
+  """
+  for dtype in (jnp.float32, jnp.float16):
+    tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1, clip_norm=0.5)
+    params = {"w": jnp.zeros(2, dtype)}
+    u, state = tx.update({"w": jnp.array([3.0, 4.0], dtype)}, tx.init(params), params, weight=1e-25)
+    np.testing.assert_allclose(np.asarray(u["w"], np.float64), [-0.3, -0.4], rtol=1e-3)
+    np.testing.assert_allclose(state.grad_norm, 5.0, rtol=1e-5)
+    assert bool(state.has_grad_norm) and int(state.num_updates) == 1
+
+
+def test_mean_dtypes_are_the_wider_of_grads_and_params():
+  """Issue 11, item 3: the mean's dtype, leafwise, against numpy's promotion by hand."""
+  names = ["float16", "bfloat16", "float32"]
+  wider = {("float16", "bfloat16"): "float32", ("bfloat16", "float16"): "float32"}
+  for g in names:
+    for p in names:
+      got = _numerics.mean_dtypes(jnp.zeros(2, g), jnp.zeros(2, p)).dtype
+      rank = {"float16": 1, "bfloat16": 1, "float32": 2}
+      want = wider.get((g, p), g if rank[g] >= rank[p] else p)
+      assert got == jnp.dtype(want), (g, p, got)
+  assert _numerics.mean_dtypes(jnp.zeros(2, jnp.bfloat16), None).dtype == jnp.bfloat16

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _finite import assert_state_finite
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -162,7 +163,8 @@ def test_overflow_on_one_device_skips_the_window_everywhere(check_vma):
   chex.assert_trees_all_equal(params, PARAMS0)  # skipped on every device
   m = optax_accum.metrics(opt_state)
   assert (int(m.num_skipped), int(m.num_updates)) == (1, 0)
-  assert not np.isfinite(float(m.grad_norm))
+  assert not bool(m.has_grad_norm)  # no norm for a non-finite window, and no NaN in the state
+  assert_state_finite(opt_state)
   chex.assert_trees_all_equal(opt_state.acc, jax.tree.map(jnp.zeros_like, opt_state.acc))
   for batch in batches[2:]:  # the next window is clean and applies everywhere
     params, opt_state = step(params, opt_state, place(mesh, batch, P(AXIS)))
@@ -241,3 +243,77 @@ def test_per_device_windows_without_axis_name_under_check_vma():
   w = 1.0 + grads[:, :, :1]  # weight of each device's microbatch, [microstep, device, 1]
   expected = -(w * grads).sum(0) / w.sum(0)
   np.testing.assert_allclose(np.asarray(params), expected, rtol=1e-6)
+
+
+def scan_training(tx, mesh, windows, fused=False):
+  """The whole run inside one shard_map: tx.init there, microbatches through lax.scan.
+
+  No recipe: no stack_windows / local_state, params passed replicated (P()), gradients
+  taken with respect to a device-varying copy, a per-device token count as the weight.
+  """
+
+  def body(params, xs):
+    def micro(carry, batch):
+      params, opt_state = carry
+      local = jax.lax.pcast(params, AXIS, to="varying")
+      loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+      w = jnp.sum(batch["mask"])
+      if fused:
+        params, opt_state = optax_accum.update_and_apply(
+          tx, grads, opt_state, params, weight=w, value=loss
+        )
+      else:
+        updates, opt_state = tx.update(grads, opt_state, params, weight=w, value=loss)
+        params = optax.apply_updates(params, updates)
+      return (params, opt_state), None
+
+    (params, opt_state), _ = jax.lax.scan(micro, (params, tx.init(params)), xs)
+    m = optax_accum.metrics(opt_state)
+    return params, (m.num_updates, m.window_loss, m.has_window_loss)
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(P(), P()))
+  xs = jax.tree.map(lambda *b: np.stack(b), *windows)
+  return jax.jit(f), place(mesh, xs, P(None, AXIS))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "update_and_apply"])
+def test_state_made_inside_shard_map_is_a_scan_carry(fused):
+  """Issue 11, item 2: shard_map (check_vma=True) without the recipe gave JAX's type error.
+
+  tx.init inside shard_map made unvarying window sums that the first microbatch turned
+  device-varying: "scan body function carry input and carry output must have equal
+  types". The window sums are now device-varying from init (a type, no communication).
+  Expected: the float64 reference of the globally token-weighted window; one all-reduce.
+  """
+  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)
+  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  batches = make_data(COUNTS)
+  step, xs = scan_training(tx, mesh, batches, fused)
+  params = place(mesh, PARAMS0, P())
+  out, (num_updates, window_loss, has_loss) = step(params, xs)
+  expected = {k: np.asarray(v, np.float64) for k, v in PARAMS0.items()}
+  for i in range(0, len(batches), EVERY_K):
+    expected, loss = reference_window(expected, batches[i : i + EVERY_K])
+  chex.assert_trees_all_close(out, expected, rtol=1e-5, atol=1e-6)
+  assert int(num_updates) == len(batches) // EVERY_K and bool(has_loss)
+  np.testing.assert_allclose(window_loss, loss, rtol=1e-5)
+  counts = optax_accum.testing.count_collectives(step.lower(params, xs).compile().as_text())
+  assert dict(counts["in_conditional"]) == {"all-reduce": 1}, counts
+
+
+def test_device_varying_params_are_refused_with_the_fix():
+  """Issue 11, item 2: params pcast to varying gave JAX's "cond branches must have equal
+  output types"; now our error names the argument and the fix."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)
+  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+
+  def body(params, batch):
+    local = jax.lax.pcast(params, AXIS, to="varying")
+    grads = jax.grad(loss_fn)(local, batch)
+    updates, _ = tx.update(grads, tx.init(params), local, weight=jnp.sum(batch["mask"]))
+    return optax.apply_updates(params, updates)
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
+  batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
+  with pytest.raises(ValueError, match=r"params\['b'\] varies over the mesh axis.*pcast"):
+    jax.jit(f).lower(place(mesh, PARAMS0, P()), batch)

@@ -191,3 +191,25 @@ def test_plain_jit_with_a_sharded_batch_all_reduces_every_microstep():
   batch = jax.device_put(make_batches(1)[0], NamedSharding(mesh, P("data")))
   text = make_train_step(tx).lower(params, opt_state, batch).compile().as_text()
   assert testing.count_collectives(text)["outside"]["all-reduce"] >= 1
+
+
+def test_stack_windows_with_an_unknown_axis_names_the_mesh_axes():
+  """Issue 11, item 7: an unknown axis raised a bare KeyError('model')."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name="data")
+  state = tx.init({"w": jnp.zeros(3)})
+  for axis in ("model", ("data", "model")):
+    with pytest.raises(KeyError, match=r"names no axis of the mesh.*the mesh has axes \('data',\)"):
+      optax_accum.sharding.stack_windows(state, mesh, axis)
+
+
+def test_local_state_on_an_unstacked_state_says_what_to_pass():
+  """Issue 11, item 7: a state without the device axis raised IndexError on its 0-d weight_sum."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name="data")
+  state = tx.init({"w": jnp.zeros(3)})
+  with pytest.raises(
+    ValueError, match=r"local_state: the window sums have no device axis.*stack_windows"
+  ):
+    optax_accum.sharding.local_state(state)
+  block = optax_accum.sharding.stacked_state(state)  # the shard_map block of a stacked state
+  assert optax_accum.sharding.local_state(block).acc["w"].shape == (3,)

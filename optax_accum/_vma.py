@@ -1,0 +1,109 @@
+"""Device variance under ``shard_map(check_vma=True)``: what varies, and making types agree.
+
+Inside ``jax.shard_map`` with ``check_vma=True`` (the default) every value has
+a type that says which mesh axes it varies over. ``accumulate(..., axis_name=...)``
+keeps per-device window sums (varying) next to a replicated state (unvarying),
+and its boundary is a ``lax.cond`` whose branches must have equal types. The
+helpers here make that hold by construction, with type changes only
+(``jax.lax.pcast(..., to="varying")`` moves no data), so that the state works
+without a recipe: made by ``tx.init`` inside ``shard_map``, carried through
+``lax.scan``. Issue 11, item 2; see docs/design.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from optax_accum._state import AccumulationState, map_window
+
+PyTree = Any
+
+
+def varying(x: Any) -> frozenset:
+  """The mesh axes ``x`` (an array, tracer or abstract value) varies over.
+
+  Empty outside ``shard_map`` and under ``check_vma=False``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> varying(jnp.zeros(2))
+    frozenset()
+  """
+  t = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+  mat = getattr(t, "manual_axis_type", None)  # JAX >= 0.9
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(t, "vma", ()))
+
+
+def _axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _vary(x: jax.Array, axes: frozenset | tuple[str, ...]) -> jax.Array:
+  """``x`` typed varying over ``axes`` too (a no-op where it already is)."""
+  missing = tuple(sorted(set(axes) - varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def per_device_window(
+  state: AccumulationState, axis_name: str | tuple[str, ...] | None
+) -> AccumulationState:
+  """Inside ``shard_map`` over ``axis_name``: the window's sums typed device-varying.
+
+  They are per device by nature (each device adds its own microbatches), so a
+  state made by ``tx.init`` inside ``shard_map`` has from the start the type
+  ``update`` returns and can be the carry of a ``lax.scan`` / ``fori_loop``.
+  Outside ``shard_map`` over these axes the state is returned as it is.
+
+  Args:
+    state: a fresh :class:`AccumulationState`.
+    axis_name: ``accumulate``'s ``axis_name`` (None: nothing to do).
+
+  Returns:
+    ``state`` with ``acc``, ``weight_sum``, ``value_sum`` and ``value_weight``
+    varying over ``axis_name``; the same values.
+  """
+  if axis_name is None:
+    return state
+  try:
+    jax.lax.axis_size(_axes(axis_name))
+  except NameError:  # not inside shard_map over these axes
+    return state
+  return map_window(lambda x: _vary(x, _axes(axis_name)), state)
+
+
+def agree(branches: tuple, operands: PyTree, inputs: PyTree) -> tuple:
+  """``lax.cond`` branches made to agree on device variance, leaf by leaf.
+
+  A branch's outputs vary when they depend on per-device data (the window's
+  sums, a varying weight) and do not when they come from the all-reduce or the
+  replicated state. Each output leaf of each branch is ``pcast`` to varying over
+  the union of the two branches' axes for that leaf. Outside ``shard_map``
+  (nothing in ``inputs`` varies) the branches are returned as they are, without
+  tracing them again.
+
+  Args:
+    branches: the cond's branch functions, each of ``operands``.
+    operands: the cond's operands.
+    inputs: everything else the branches close over that may vary.
+
+  Returns:
+    The branches, wrapped where needed.
+  """
+  if not any(varying(x) for x in jax.tree.leaves((inputs, operands))):
+    return branches
+  avals = [jax.make_jaxpr(b)(operands).out_avals for b in branches]
+  target = [varying(a) | varying(b) for a, b in zip(*avals, strict=True)]
+
+  def wrap(branch):
+    def agreed(ops):
+      leaves, treedef = jax.tree.flatten(branch(ops))
+      out = [_vary(x, want) for x, want in zip(leaves, target, strict=True)]
+      return jax.tree.unflatten(treedef, out)
+
+    return agreed
+
+  return tuple(wrap(b) for b in branches)

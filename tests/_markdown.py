@@ -25,7 +25,8 @@ _FENCE = re.compile(
 # a line per block so a failure names the block.
 _RUNNER = """
 import json, sys
-blocks, checks, name = json.load(open(sys.argv[1]))
+with open(sys.argv[1]) as f:
+  blocks, checks, name = json.load(f)
 ns = {"__name__": "__main__"}
 for i, (block, check) in enumerate(zip(blocks, checks), start=1):
   exec(compile(block, f"{name}, python block {i}", "exec"), ns)

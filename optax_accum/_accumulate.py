@@ -6,7 +6,11 @@ module map and the invariants): each call adds ``weight * grads`` to a float32
 emitted updates are exact zeros and the inner optimizer is not run. At the
 boundary (:func:`_close`) the window mean ``sum_i w_i g_i / (sum_i w_i * scale)``
 is computed once, checked for finiteness once, optionally clipped, and handed
-to the inner optimizer once; then the window's sums are reset to zero.
+to the inner optimizer once; then the window's scalars are reset to zero. The
+accumulator is reset lazily: ``tx.update`` writes the boundary's updates into
+its buffer and returns them from there, and the next microbatch reads it as
+zeros (``mini_step == 0``), so no microstep writes a buffer of zero updates
+(``_buffers.stash``; the fused path resets it with zeros).
 
 Besides optax's ``update``, each transformation has one explicit second entry
 point, the fused step that returns the new params instead of the updates.
@@ -52,8 +56,8 @@ def accumulate(
                                 ``weight_sum += weight``; emit exact zeros
   boundary (``every_k`` calls   ``mean = acc / (weight_sum * loss_scale)``, one
   or ``flush=True``)            finite check, global norm, clip to
-                                ``clip_norm``, ``inner.update(mean, ...)`` once,
-                                reset ``acc`` and ``weight_sum`` with zeros
+                                ``clip_norm``, ``inner.update(mean, ...)`` once;
+                                the window is empty again (``mini_step == 0``)
   non-finite window             zeros emitted, inner state untouched,
                                 ``num_skipped += 1``, loss scale backs off
   empty window (weight sum 0)   zeros emitted, nothing counted
@@ -286,11 +290,17 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
   mini_step = state.mini_step + 1
   boundary = (mini_step >= config.window_length(state.num_updates)) | flush
   like = _likes(config, grads, state, params, fused, value, extra_args)
+  # The sum is added outside the cond: one fused, in-place pass over the donated
+  # accumulator, which reads it as zeros if the window was empty (the lazy reset,
+  # _buffers.open_window), and which `between` passes through untouched.
+  acc = _numerics.weighted_add(state.window_sum, grads, w)
+  fits = None if fused else _stash_fits(like.out, acc)
 
   def between(operands):
     acc, inner_state = operands
-    # Params pass through untouched (the fused path), or exact zero updates.
-    out = params if fused else _buffers.distinct_zeros(like.out, boundary)
+    # Params pass through untouched (the fused path); the zero updates are
+    # selected after the cond (below), except where acc cannot hold them.
+    out = params if fused else _own_buffers(_buffers.distinct_zeros(like.out, boundary), fits)
     # Built from the state's own fields: zeros_like keeps their device variance,
     # so both cond branches agree under shard_map(check_vma=True).
     unchanged = {f: getattr(state, f) for f in _Closed._fields[1:]}
@@ -298,15 +308,14 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
 
   def close(operands):
     acc, inner_state = operands
-    return _close(config, state, acc, window, inner_state, params, like, fused, value, extra_args)
+    return _close(config, state, acc, window, inner_state, params, like, fits, value, extra_args)
 
-  # The sum is added outside the cond: one fused, in-place pass over the donated
-  # accumulator, which `between` passes through and `close` resets after reading.
-  acc = _numerics.weighted_add(state.acc, grads, w)
   operands = (acc, state.inner_state)
   inputs = (grads, state, params, w, flush, value, extra_args)
   branches = _vma.agree((close, between), operands, inputs)
   out, acc, inner_state, closed = jax.lax.cond(boundary, *branches, operands)
+  if not fused:  # the updates, read from where the boundary stashed them (or zeros)
+    out = _unstash(out, acc, fits, like.out, closed.updated)
 
   def reset(x):  # the window's scalars, zero again after a boundary
     return jnp.where(boundary, jnp.zeros_like(x), x)
@@ -341,8 +350,13 @@ def _likes(config, grads, state, params, fused, value, extra_args) -> _Like:
   return _Like(_numerics.mean_dtypes(grads, params), plain, params if fused else zeros_like)
 
 
-def _close(config, state, acc, window, inner_state, params, like, fused, value, extra_args):
-  """The boundary: one finite check, then apply (inner once), skip or nothing (empty)."""
+def _close(config, state, acc, window, inner_state, params, like, fits, value, extra_args):
+  """The boundary: one finite check, then apply (inner once), skip or nothing (empty).
+
+  ``fits`` is None on the fused path (the params are the output); else which
+  update leaves go into the accumulator's buffer (``_buffers.stash``).
+  """
+  fused = fits is None
   sums = (acc, *window)
   if config.axis_name is not None:  # the window's one all-reduce
     sums = jax.lax.psum(sums, config.axis_name)
@@ -360,7 +374,8 @@ def _close(config, state, acc, window, inner_state, params, like, fused, value, 
   if value is not None:
     inner_args["value"] = window_value
 
-  def run_inner(inner_state):
+  def run_inner(operands):
+    acc, inner_state = operands
     mean = _numerics.window_mean(g_sum, denom, norm, config.clip_norm, like.mean)
     updates, new_inner = config.inner.update(mean, inner_state, params, **inner_args)
     updates = optax.tree.cast_like(updates, like.updates)
@@ -373,20 +388,30 @@ def _close(config, state, acc, window, inner_state, params, like, fused, value, 
       # Selected leafwise (XLA fuses the select into the inner optimizer's passes; a
       # nested cond would copy the inner state).
       keep = lambda new, old: jnp.where(ok, new, old)
-      updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros((), u.dtype)), updates)
+      updates = jax.tree.map(lambda u: keep(u, jnp.zeros((), u.dtype)), updates)
       new_inner = jax.tree.map(keep, new_inner, inner_state)
     else:
       ok = jnp.ones_like(apply)
-    # Fused: params + updates written by the inner optimizer's last pass.
-    return (optax.apply_updates(params, updates) if fused else updates), new_inner, ok
+    if fused:  # params + updates, written by the inner optimizer's last pass
+      return optax.apply_updates(params, updates), None, new_inner, ok
+    # The updates go into the accumulator's buffer: the window's sum is dead now.
+    return _own_buffers(updates, fits), _buffers.stash(updates, acc, fits), new_inner, ok
 
-  def keep_inner(inner_state):
-    out = params if fused else _buffers.distinct_zeros(like.out, apply)
-    return out, inner_state, jnp.zeros_like(apply)
+  def keep_inner(operands):
+    acc, inner_state = operands
+    if fused:
+      return params, None, inner_state, jnp.zeros_like(apply)
+    # A skipped window's sum is zeroed: nothing of it stays in the state. (This write
+    # makes XLA copy the updates into the accumulator at every boundary, one pass.)
+    out = _own_buffers(_buffers.distinct_zeros(like.out, apply), fits)
+    return out, _buffers.distinct_zeros(acc, apply), inner_state, jnp.zeros_like(apply)
 
-  out, inner_state, ok = jax.lax.cond(apply, run_inner, keep_inner, inner_state)
-  finite = finite & (ok | ~apply)
+  out, acc_out, inner_state, ok = jax.lax.cond(apply, run_inner, keep_inner, (acc, inner_state))
+  if fused:  # the sum is reset to zeros, written once the inner optimizer has read it
+    # (they wait for a token read from its output), so into the accumulator's own buffer
+    acc_out = _buffers.distinct_zeros(acc, _buffers.read_token((inner_state, out)))
   applied = apply & ok
+  finite = finite & (ok | ~apply)
   skipped = ~empty & ~finite & config.skip_nonfinite
   scale, streak = state.loss_scale, state.growth_streak
   if config.loss_scale is not None:
@@ -407,7 +432,31 @@ def _close(config, state, acc, window, inner_state, params, like, fused, value, 
     loss_scale=scale,
     growth_streak=streak,
   )
-  # Zeros written once the inner optimizer has read the sum (they wait for a token
-  # read from its output), so XLA writes them into the accumulator's own buffer.
-  acc = _buffers.distinct_zeros(acc, _buffers.read_token((inner_state, out)))
-  return out, acc, inner_state, closed
+  return out, acc_out, inner_state, closed
+
+
+def _stash_fits(like_out: PyTree, acc: PyTree) -> PyTree:
+  """Which update leaves the accumulator's buffer holds: dtype and device variance allow.
+
+  Under ``shard_map`` with ``axis_name`` the accumulator is per device while the
+  updates are replicated; those leaves get a buffer of their own.
+  """
+  fits = _buffers.stash_fits(like_out, acc)
+  same = lambda f, u, a: f and _vma.varying(u) == _vma.varying(a)
+  return jax.tree.map(same, fits, like_out, acc)
+
+
+def _own_buffers(updates: PyTree, fits: PyTree) -> PyTree:
+  """The update leaves that travel in a buffer of their own (None where acc holds them)."""
+  return jax.tree.map(lambda f, u: None if f else u, fits, updates)
+
+
+def _unstash(own: PyTree, acc: PyTree, fits: PyTree, like: PyTree, updated: jax.Array) -> PyTree:
+  """The updates: read from ``acc`` (selected by ``updated``, else exact zeros) or ``own``."""
+
+  def leaf(f, o, a, u):
+    if not f:
+      return o
+    return jnp.where(updated, a.astype(u.dtype), jnp.zeros((), u.dtype))
+
+  return jax.tree.map(leaf, fits, own, acc, like, is_leaf=lambda x: x is None)

@@ -1,4 +1,4 @@
-"""XLA buffer placement: two helpers that change where values live, never what they are.
+"""XLA buffer placement: helpers that change where values live, never what they are.
 
 Nothing here is arithmetic; each helper exists because of how XLA compiles a
 ``jax.jit`` step, and each has a test that fails if a JAX upgrade changes that
@@ -11,19 +11,24 @@ behaviour (docs/design.md lists them):
   ``x``'s sharding; XLA folds the select away, so nothing of ``x`` is read.
   Caught by ``tests/test_sharding.py`` (the accumulator follows the params
   under plain ``jax.jit(tx.init)``).
-* :func:`distinct_zeros` writes exact zeros from inside a ``lax.cond``: the
-  zero updates of a non-boundary microstep, and the accumulator's reset at a
-  boundary. Plain ``jnp.zeros_like`` per leaf gives equal broadcasts, which XLA
-  merges into one buffer; returning one buffer in several outputs of a
-  conditional then costs a full copy per extra leaf. And zeros that depend on
-  nothing may be scheduled before the last read of the buffer they overwrite,
-  which costs a copy of the whole accumulator. Zeros computed from a traced
-  flag, with a different constant per leaf, stay distinct and wait for the
-  flag: for the reset the flag is :func:`read_token` of the inner optimizer's
-  output, so the zeros go into the accumulator's own buffer after the inner
-  optimizer has read it. Caught by ``tests/test_buffers.py`` (no
-  parameter-sized copy and at most one gradient-sized temporary in the
-  compiled step).
+* :func:`distinct_zeros` writes exact zeros from inside a ``lax.cond``: zero
+  updates for leaves the accumulator cannot hold (see :func:`stash_fits`), and
+  the accumulator's reset after a skipped or empty window. Plain
+  ``jnp.zeros_like`` per leaf gives equal broadcasts, which XLA merges into one
+  buffer; returning one buffer in several outputs of a conditional then costs a
+  full copy per extra leaf. Zeros computed from a traced flag, with a different
+  constant per leaf, stay distinct. Caught by ``tests/test_buffers.py`` (no
+  parameter-sized copy in the compiled step).
+* :func:`open_window` and :func:`stash` let the accumulator's buffer serve
+  twice (the lazy reset): at an applied boundary the inner optimizer's updates
+  are written into the accumulator's buffer (:func:`stash`; they are returned
+  from there), and the window's sum is not zeroed; the next microbatch reads
+  the buffer as zeros because ``mini_step == 0`` (:func:`open_window`, fused
+  into the pass that adds it). So no microstep writes a separate buffer of
+  zero updates (a gradient-sized temporary that XLA:CPU allocates, and the
+  kernel page-faults in, on every call) and no boundary writes zeros. Caught by
+  ``tests/test_buffers.py`` (no gradient-sized temporary at all on the default
+  optax path).
 """
 
 from __future__ import annotations
@@ -90,3 +95,56 @@ def read_token(tree: PyTree) -> jax.Array:
   if not leaves:
     return jnp.zeros((), jnp.bool_)
   return jnp.any(leaves[0] == 0)
+
+
+def open_window(acc: PyTree, mini_step: jax.Array) -> PyTree:
+  """The open window's weighted sum: ``acc``, read as zeros while the window is empty.
+
+  An empty window (``mini_step == 0``: after ``init``, a boundary or
+  ``discard``) may hold scratch in ``acc`` (the last window's updates, see
+  :func:`stash`); it is selected away, never multiplied.
+
+  Args:
+    acc: the accumulator tree.
+    mini_step: int32 0-d array, microbatches in the open window.
+
+  Returns:
+    A tree like ``acc``.
+  """
+  empty = mini_step == 0
+  return jax.tree.map(lambda a: jnp.where(empty, jnp.zeros((), a.dtype), a), acc)
+
+
+def stash_fits(updates: PyTree, acc: PyTree) -> PyTree:
+  """Per leaf, whether an update of that dtype is held exactly in the accumulator's dtype.
+
+  True when the shapes match and every value of the update's dtype is a value
+  of the accumulator's (bf16, fp16 or float32 updates in a float32
+  accumulator; decided from ``finfo``, so ``jax_numpy_dtype_promotion=strict``
+  does not matter); such leaves travel in the accumulator's
+  buffer (:func:`stash`), the others in a buffer of their own.
+
+  Args:
+    updates: a tree of arrays or shape-dtype structs (the updates).
+    acc: the accumulator tree, same structure.
+
+  Returns:
+    A tree of Python bools like ``updates``.
+  """
+
+  def holds(u, a):
+    if u.shape != a.shape:
+      return False
+    if u.dtype == a.dtype:
+      return True
+    if not (jnp.issubdtype(u.dtype, jnp.floating) and jnp.issubdtype(a.dtype, jnp.floating)):
+      return False
+    fu, fa = jnp.finfo(u.dtype), jnp.finfo(a.dtype)  # every u value is an a value
+    return fa.nmant >= fu.nmant and fa.maxexp >= fu.maxexp and fa.minexp <= fu.minexp
+
+  return jax.tree.map(holds, updates, acc)
+
+
+def stash(updates: PyTree, acc: PyTree, fits: PyTree) -> PyTree:
+  """``updates`` in the accumulator's dtype where they fit, else ``acc`` unchanged (scratch)."""
+  return jax.tree.map(lambda f, u, a: u.astype(a.dtype) if f else a, fits, updates, acc)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _numerics, pitfalls
+from optax_accum import _buffers, _numerics, pitfalls
 
 PyTree = Any
 
@@ -34,9 +34,14 @@ class AccumulationState(NamedTuple):
   Attributes:
     mini_step: int32, microbatches accumulated in the current window (the
       window position; 0 right after a boundary).
-    acc: the weighted gradient sum ``sum_i w_i * g_i`` of the current window,
-      a tree like the params in the accumulator dtype (float32 by default).
-      With a loss scale the ``g_i`` are gradients of the *scaled* loss.
+    acc: the accumulator, a tree like the params in the accumulator dtype
+      (float32 by default). While a window is open (``mini_step > 0``) it
+      holds the weighted gradient sum ``sum_i w_i * g_i`` (with a loss scale
+      the ``g_i`` are gradients of the *scaled* loss). After a boundary of
+      ``tx.update`` it holds that boundary's updates (scratch, finite: the
+      buffer returned them, so no separate zero-update buffer is written per
+      microstep), and the next microbatch reads it as zeros. Read the open
+      window's sum with :attr:`window_sum`.
     weight_sum: float32 (float64 under x64), ``sum_i w_i`` of the window.
     value_sum: weighted sum ``sum_i w_i * value_i`` of the ``value`` extra
       args (the microbatch losses) passed in this window.
@@ -100,6 +105,22 @@ class AccumulationState(NamedTuple):
   every_k: jax.Array
   loss_scale_kind: jax.Array
   inner_state: PyTree
+
+  @property
+  def window_sum(self) -> PyTree:
+    """The open window's weighted gradient sum: ``acc``, or zeros if ``mini_step == 0``.
+
+    A tree like ``acc`` (same dtypes); works under ``jit``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1)
+      >>> params = {'w': jnp.zeros(2)}
+      >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params)
+      >>> state.window_sum['w']  # the window closed: nothing is pending
+      Array([0., 0.], dtype=float32)
+    """
+    return _buffers.open_window(self.acc, self.mini_step)
 
 
 # The fields that hold the open window (one device's share of it under shard_map):

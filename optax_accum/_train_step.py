@@ -49,8 +49,8 @@ def update_and_apply(
   compiled in one program). For any other ``tx``, including an ``optax.chain``
   or a user wrapper containing ``accumulate``, it *is* ``tx.update`` followed by
   ``optax.apply_updates``: correct whatever the other members do to the
-  updates, at the cost of writing and reading the zero updates between
-  boundaries (about 2.3x the fused path's traffic; docs/performance.md).
+  updates, at the cost of re-writing the params with zero updates between
+  boundaries (about 2x the fused path's traffic; docs/performance.md).
   Under ``jax.vmap`` over states the ``lax.cond`` becomes a select: still
   exact, only the saving is lost.
 

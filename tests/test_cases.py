@@ -159,7 +159,7 @@ def test_c3_last_incomplete_window(how):
   assert int(s.num_updates) == 3
   assert int(s.num_microbatches) == 10
   # After a flush the window is empty.
-  chex.assert_trees_all_equal(s.acc, jnp.zeros((), jnp.float32))
+  chex.assert_trees_all_equal(s.window_sum, jnp.zeros((), jnp.float32))
   assert float(s.weight_sum) == 0.0 and int(s.mini_step) == 0
   # A second flush in a row is a no-op.
   u2, state2 = jax.jit(lambda s, p: optax_accum.flush(tx, s, p))(state, w)

@@ -404,7 +404,7 @@ def test_empty_flush_with_dynamic_scale_changes_nothing():
     updates, state = flush(state, params)
     chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
     keep = ("loss_scale", "growth_streak", "num_updates", "num_skipped", "num_microbatches")
-    for field in keep + ("grad_norm", "inner_state", "acc", "weight_sum", "mini_step"):
+    for field in keep + ("grad_norm", "inner_state", "window_sum", "weight_sum", "mini_step"):
       chex.assert_trees_all_equal(getattr(state, field), getattr(before, field))
   assert float(state.loss_scale) == 2.0**10 and not bool(state.updated)
 

@@ -15,7 +15,6 @@ from optax_accum import sharding as sharding
 from optax_accum._accumulate import accumulate
 from optax_accum._loss_scale import dynamic_loss_scale, static_loss_scale
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
-from optax_accum._noise_scale import NoiseEstimate
 from optax_accum._scaled_grad import scaled_value_and_grad
 from optax_accum._state import (
   AccumulationState,
@@ -34,7 +33,6 @@ __version__ = "0.2.0"
 __all__ = [
   "AccumulationState",
   "Metrics",
-  "NoiseEstimate",
   "accumulate",
   "discard",
   "dynamic_loss_scale",

@@ -241,7 +241,7 @@ def microbatched_value_and_grad(
     structure: ``value`` is ``loss``, ``(loss, aux)``, ``(loss, new_state)`` or
     ``(loss, (aux, new_state))``; ``grads`` is a tree like ``params``. With
     ``noise_scale=True`` the value is ``(value, estimate)``: ``estimate`` an
-    :class:`optax_accum.NoiseEstimate` of 0-d arrays (``trace``, ``signal``:
+    ``NoiseEstimate`` named tuple of 0-d arrays (``trace``, ``signal``:
     the unbiased estimates of ``tr(Sigma)`` and ``|G|^2``, unscaled, in the
     weight-sum dtype; ``num_samples``: int32; ``valid``: bool, False for fewer
     than 2 nonzero-weight samples).

@@ -65,8 +65,12 @@ class NoiseEstimate(NamedTuple):
 
 
 def zeros() -> tuple[jax.Array, jax.Array]:
-  """A fresh window's noise sums: ``(sum_k n_k |g_k|^2, K)`` as (float, int32) zeros."""
-  return jnp.zeros((), _numerics.scalar_dtype()), jnp.zeros((), jnp.int32)
+  """A fresh window's noise sums ``(sum_k n_k |g_k|^2, K)``: float zeros (the weight-sum dtype).
+
+  ``K`` is a float too, so that both ride in the boundary's one all-reduce with the
+  other float sums (an int32 would be a second all-reduce); it is exact up to 2**24.
+  """
+  return jnp.zeros((), _numerics.scalar_dtype()), jnp.zeros((), _numerics.scalar_dtype())
 
 
 def add(
@@ -80,7 +84,7 @@ def add(
   microbatch (a flush, all padding) is not a sample and adds nothing, even a NaN.
 
   Args:
-    sums: ``(sq_sum, samples)``: float and int32 scalars.
+    sums: ``(sq_sum, samples)``: float scalars.
     acc: the accumulator (its dtypes only).
     grads: the microbatch's mean gradient (of the scaled loss, with a loss scale).
     weight: the microbatch's weight ``n_k``, a scalar.
@@ -112,7 +116,7 @@ def estimate(
 
   Args:
     sq_sum: ``sum_k n_k |g_k|^2`` of the (scaled) microbatch gradients.
-    samples: ``K``, int.
+    samples: ``K`` (a float or int scalar).
     weight_sum: ``N = sum_k n_k``.
     mean_norm: ``|G_B|``, the global norm of the window's unscaled mean gradient.
     loss_scale: the window's loss scale (``sq_sum`` is divided by its square);
@@ -144,9 +148,8 @@ def estimate(
   signal = (k * g2 - sq / safe_n) / km1
   valid = enough & jnp.isfinite(trace) & jnp.isfinite(signal)
   zero = jnp.zeros((), dtype)
-  return NoiseEstimate(
-    jnp.where(valid, trace, zero), jnp.where(valid, signal, zero), samples, valid
-  )
+  num = samples.astype(jnp.int32)
+  return NoiseEstimate(jnp.where(valid, trace, zero), jnp.where(valid, signal, zero), num, valid)
 
 
 def ema_update(

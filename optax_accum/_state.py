@@ -71,8 +71,9 @@ class AccumulationState(NamedTuple):
     noise_sq_sum: float (the weight-sum dtype), ``sum_i w_i |g_i|^2`` of the
       window's microbatches (scaled gradients with a loss scale): the gradient
       noise scale's one per-microbatch sum. 0 when ``noise_scale_decay`` is None.
-    noise_samples: int32, the window's microbatches with a nonzero weight (the
-      noise scale's samples ``K``; 0 when ``noise_scale_decay`` is None).
+    noise_samples: float (the weight-sum dtype, to share the boundary's one
+      all-reduce), the window's microbatches with a nonzero weight (the noise
+      scale's samples ``K``; 0 when ``noise_scale_decay`` is None).
     noise_trace_ema: float, the EMA numerator of ``S_est`` (the estimate of
       ``tr(Sigma)``, McCandlish et al. 2018); 0 until a window with ``K >= 2``
       closes, and always 0 when ``noise_scale_decay`` is None.

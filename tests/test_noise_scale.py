@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _noise_scale
+from optax_accum import _noise_scale, testing
 
 # ----------------------------------------------------------------------------- references
 
@@ -329,8 +329,13 @@ def test_shard_map_equals_single_device_on_the_same_microbatches():
     jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=specs)
   )
   place = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  args = lambda i: (place(params, P()), state, place(y[i], P(AXIS)), place(mask[i], P(AXIS)))
+  # The noise sums ride in the boundary's one all-reduce; nothing between boundaries.
+  counts = testing.count_collectives(step.lower(*args(0)).compile().as_text())
+  assert sum(counts["outside"].values()) == 0, counts
+  assert dict(counts["in_conditional"]) == {"all-reduce": 1}, counts
   for i in range(len(COUNTS)):
-    state = step(place(params, P()), state, place(y[i], P(AXIS)), place(mask[i], P(AXIS)))
+    state = step(*args(i))
   assert int(optax_accum.metrics(state).num_updates) == len(COUNTS) // EVERY_K
 
   # The same microbatches, one device's at a time, through a single-device accumulate.

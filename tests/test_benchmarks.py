@@ -52,7 +52,8 @@ def test_quick_benchmarks(tmp_path):
   # parameter-sized copy, and the default path's temporaries are the plain step's plus
   # at most one gradient-sized buffer (the zero updates).
   assert 0 < res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 100
-  for name in ("accumulate", "accumulate_fused", "nnx_optimizer", "train_state"):
+  no_copies = ("accumulate", "accumulate_fused", "accumulate_noise", "accumulate_fused_noise")
+  for name in (*no_copies, "nnx_optimizer", "train_state"):
     assert res["variants"][name]["param_sized_copies"] == 0, name
   assert res["variants"]["multisteps"]["param_sized_copies"] > 0
   assert res["ratios"]["temp_minus_plain_in_grad_buffers"] <= 1.01

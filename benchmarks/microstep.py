@@ -11,6 +11,9 @@ state donated, run on the same params in one process. Variants:
   (the default optax path).
 * ``accumulate_fused``: the recommended train step,
   ``optax_accum.update_and_apply(accumulate(...), ...)``: no update buffer.
+* ``accumulate_noise``, ``accumulate_fused_noise``: the two above with
+  ``noise_scale_decay=0.9`` (the gradient noise scale: one more scalar per
+  microstep, ``weight * |g|^2``, and its estimate at the boundary).
 * ``nnx_optimizer``: an NNX model step through ``optax_accum.flax.Optimizer``.
 * ``train_state``: a Linen-style step through ``optax_accum.flax.TrainState``.
 
@@ -27,6 +30,8 @@ in the optimized HLO.
 
   python benchmarks/microstep.py --out microstep.json
   python benchmarks/microstep.py --quick          # CI smoke run, seconds
+  python benchmarks/microstep.py --sizes 4e6 --inner adam --every-k 4 --rounds 5 --no-flax \
+      --variants accumulate accumulate_noise accumulate_fused accumulate_fused_noise
 """
 
 from __future__ import annotations
@@ -177,25 +182,47 @@ def summarize(samples: list[tuple[int, float]], k: int) -> dict[str, float]:
   return out
 
 
-def run_config(n: int, inner_name: str, k: int, rounds: int, with_flax: bool) -> dict[str, Any]:
-  """All variants for one (size, inner, every_k), interleaved."""
+# The variants (and the README's rows, benchmarks/render_tables.py), in order.
+VARIANTS = (
+  "floor",
+  "plain",
+  "multisteps",
+  "accumulate",
+  "accumulate_fused",
+  "accumulate_noise",
+  "accumulate_fused_noise",
+  "nnx_optimizer",
+  "train_state",
+)
+NOISE_DECAY = 0.9
+
+
+def run_config(
+  n: int, inner_name: str, k: int, rounds: int, with_flax: bool, only: tuple[str, ...] = VARIANTS
+) -> dict[str, Any]:
+  """The variants in ``only`` for one (size, inner, every_k), interleaved."""
   inner = make_inner(inner_name)
   params = make_params(n)
   leaf_shape = next(iter(params.values())).shape
   grads = fresh(jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params))
+  noisy = optax_accum.accumulate(inner, every_k=k, noise_scale_decay=NOISE_DECAY)
   txs = {
     "plain": (inner, "plain"),
     "multisteps": (optax.MultiSteps(inner, every_k_schedule=k), "plain"),
     "accumulate": (optax_accum.accumulate(inner, every_k=k), "plain"),
     "accumulate_fused": (optax_accum.accumulate(inner, every_k=k), "fused"),
+    "accumulate_noise": (noisy, "plain"),
+    "accumulate_fused_noise": (noisy, "fused"),
   }
+  txs = {name: v for name, v in txs.items() if name in only}
   # run = [step, first arg, second arg, grads]; step(a, b, grads) -> (a, b), a and b donated.
   runs: dict[str, list[Any]] = {}
   info: dict[str, dict[str, Any]] = {}
-  acc = fresh(jax.tree.map(jnp.zeros_like, params))
-  runs["floor"] = [floor_step, fresh(params), acc, grads]
-  info["floor"] = compiled_info(_floor_add, acc, grads, leaf_shape=leaf_shape)
-  info["floor"]["state_bytes"] = tree_bytes(acc)
+  if "floor" in only:
+    acc = fresh(jax.tree.map(jnp.zeros_like, params))
+    runs["floor"] = [floor_step, fresh(params), acc, grads]
+    info["floor"] = compiled_info(_floor_add, acc, grads, leaf_shape=leaf_shape)
+    info["floor"]["state_bytes"] = tree_bytes(acc)
   for name, (tx, apply) in txs.items():
     p = fresh(params)
     s = fresh(tx.init(p))
@@ -205,6 +232,8 @@ def run_config(n: int, inner_name: str, k: int, rounds: int, with_flax: bool) ->
     runs[name] = [step, p, s, grads]
   if with_flax:
     for name, make in (("nnx_optimizer", nnx_run), ("train_state", train_state_run)):
+      if name not in only:
+        continue
       run = make(optax_accum.accumulate(inner, every_k=k), params)
       run[3] = grads if run[3] is None else run[3]
       info[name] = compiled_info(*run, leaf_shape=leaf_shape)
@@ -229,32 +258,6 @@ def run_config(n: int, inner_name: str, k: int, rounds: int, with_flax: bool) ->
   del runs
   inner_state_bytes = tree_bytes(jax.eval_shape(inner.init, params))
   param_bytes = tree_bytes(params)
-  v = variants
-  floor = v["floor"]["all_ms"]
-  ratios = {
-    # The default optax path (tx.update + optax.apply_updates); goal <= 2.6 (limit 7/3).
-    "non_boundary_over_floor": v["accumulate"]["non_boundary_ms"] / floor,
-    "window_avg_over_multisteps": v["accumulate"]["window_avg_ms"]
-    / v["multisteps"]["window_avg_ms"],
-    # The fused path (update_and_apply); goals <= 1.15 and <= 1.3.
-    "non_boundary_fused_over_floor": v["accumulate_fused"]["non_boundary_ms"] / floor,
-    "boundary_fused_over_plain_plus_floor": v["accumulate_fused"]["boundary_ms"]
-    / (v["plain"]["all_ms"] + floor),
-    "window_avg_fused_over_multisteps": v["accumulate_fused"]["window_avg_ms"]
-    / v["multisteps"]["window_avg_ms"],
-    "temp_fused_minus_plain_in_grad_buffers": (
-      v["accumulate_fused"]["temp_bytes"] - v["plain"]["temp_bytes"]
-    )
-    / param_bytes,
-    "temp_minus_plain_in_grad_buffers": (v["accumulate"]["temp_bytes"] - v["plain"]["temp_bytes"])
-    / param_bytes,
-    "state_extra_bytes_over_inner_plus_acc": v["accumulate"]["state_bytes"]
-    - inner_state_bytes
-    - param_bytes,
-  }
-  for name in ("nnx_optimizer", "train_state"):
-    if name in v:
-      ratios[f"non_boundary_{name}_over_floor"] = v[name]["non_boundary_ms"] / floor
   return {
     "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
     "inner": inner_name,
@@ -263,8 +266,76 @@ def run_config(n: int, inner_name: str, k: int, rounds: int, with_flax: bool) ->
     "param_bytes": param_bytes,
     "inner_state_bytes": inner_state_bytes,
     "variants": variants,
-    "ratios": ratios,
+    "ratios": ratios(variants, inner_state_bytes, param_bytes),
   }
+
+
+def ratios(v: dict[str, dict[str, Any]], inner_state_bytes: int, param_bytes: int) -> dict:
+  """The README's ratios, each where the variants it needs were run."""
+  out = {}
+
+  def put(key: str, needs: tuple[str, ...], fn: Callable[[], float]) -> None:
+    if all(name in v for name in needs):
+      out[key] = fn()
+
+  floor = lambda: v["floor"]["all_ms"]
+  # The default optax path (tx.update + optax.apply_updates); goal <= 2.6 (limit 7/3).
+  put(
+    "non_boundary_over_floor",
+    ("accumulate", "floor"),
+    lambda: v["accumulate"]["non_boundary_ms"] / floor(),
+  )
+  put(
+    "window_avg_over_multisteps",
+    ("accumulate", "multisteps"),
+    lambda: v["accumulate"]["window_avg_ms"] / v["multisteps"]["window_avg_ms"],
+  )
+  # The fused path (update_and_apply); goals <= 1.15 and <= 1.3.
+  put(
+    "non_boundary_fused_over_floor",
+    ("accumulate_fused", "floor"),
+    lambda: v["accumulate_fused"]["non_boundary_ms"] / floor(),
+  )
+  put(
+    "boundary_fused_over_plain_plus_floor",
+    ("accumulate_fused", "plain", "floor"),
+    lambda: v["accumulate_fused"]["boundary_ms"] / (v["plain"]["all_ms"] + floor()),
+  )
+  put(
+    "window_avg_fused_over_multisteps",
+    ("accumulate_fused", "multisteps"),
+    lambda: v["accumulate_fused"]["window_avg_ms"] / v["multisteps"]["window_avg_ms"],
+  )
+  put(
+    "temp_fused_minus_plain_in_grad_buffers",
+    ("accumulate_fused", "plain"),
+    lambda: (v["accumulate_fused"]["temp_bytes"] - v["plain"]["temp_bytes"]) / param_bytes,
+  )
+  put(
+    "temp_minus_plain_in_grad_buffers",
+    ("accumulate", "plain"),
+    lambda: (v["accumulate"]["temp_bytes"] - v["plain"]["temp_bytes"]) / param_bytes,
+  )
+  put(
+    "state_extra_bytes_over_inner_plus_acc",
+    ("accumulate",),
+    lambda: v["accumulate"]["state_bytes"] - inner_state_bytes - param_bytes,
+  )
+  # The noise scale's cost (noise_scale_decay on / off); goal <= 1.05 on both paths.
+  for path in ("", "fused_"):
+    on, off = f"accumulate_{path}noise", f"accumulate{'_fused' if path else ''}"
+    put(
+      f"non_boundary_{path}noise_over_off",
+      (on, off),
+      lambda on=on, off=off: v[on]["non_boundary_ms"] / v[off]["non_boundary_ms"],
+    )
+  for name in ("nnx_optimizer", "train_state"):
+    put(
+      f"non_boundary_{name}_over_floor",
+      (name, "floor"),
+      lambda name=name: v[name]["non_boundary_ms"] / floor(),
+    )
+  return out
 
 
 def available_bytes() -> float:
@@ -311,6 +382,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--out", default=None, help="write the JSON here (else stdout)")
   parser.add_argument("--quick", action="store_true", help="262k params, adam, every_k=4, 2 rounds")
   parser.add_argument("--no-flax", action="store_true", help="skip the NNX and TrainState rows")
+  parser.add_argument(
+    "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="run only these"
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.sizes, args.inner, args.every_k, args.rounds = [2**18], ["adam"], [4], 2
@@ -324,9 +398,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for inner_name in args.inner:
       for k in args.every_k:
         rounds = max(args.rounds, 1)
-        res = run_config(n, inner_name, k, rounds, with_flax=not args.no_flax)
+        only = tuple(args.variants)
+        res = run_config(n, inner_name, k, rounds, with_flax=not args.no_flax, only=only)
         results.append(res)
         g = res["variants"]
+        if set(only) != set(VARIANTS):
+          times = {name: round(v["non_boundary_ms"], 2) for name, v in g.items()}
+          print(f"n={n:,} {inner_name} k={k} non-boundary ms {times}", file=sys.stderr)
+          continue
         print(
           f"n={n:>11,} {inner_name:5s} k={k:<2d}  floor {g['floor']['all_ms']:7.1f}  "
           f"plain {g['plain']['all_ms']:7.1f}  multisteps {g['multisteps']['window_avg_ms']:7.1f}"

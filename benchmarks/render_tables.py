@@ -29,6 +29,8 @@ ROWS = [
   ("multisteps", "`optax.MultiSteps` + `optax.apply_updates`"),
   ("accumulate", "`accumulate` + `optax.apply_updates`"),
   ("accumulate_fused", "**`update_and_apply`**"),
+  ("accumulate_noise", "`accumulate(..., noise_scale_decay=0.9)` + `optax.apply_updates`"),
+  ("accumulate_fused_noise", "`update_and_apply`, `noise_scale_decay=0.9`"),
   ("nnx_optimizer", "`optax_accum.flax.Optimizer` (NNX)"),
   ("train_state", "`optax_accum.flax.TrainState`"),
 ]
@@ -40,6 +42,12 @@ GOALS = [
     "boundary_fused_over_plain_plus_floor",
     "`update_and_apply` boundary / (plain + floor)",
     "<= 1.3",
+  ),
+  ("non_boundary_noise_over_off", "noise scale on / off, `apply_updates` non-boundary", "<= 1.05"),
+  (
+    "non_boundary_fused_noise_over_off",
+    "noise scale on / off, `update_and_apply` non-boundary",
+    "<= 1.05",
   ),
   ("non_boundary_nnx_optimizer_over_floor", "`flax.Optimizer` non-boundary / floor", "-"),
   ("non_boundary_train_state_over_floor", "`TrainState` non-boundary / floor", "-"),

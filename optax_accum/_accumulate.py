@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _buffers, _checks, _numerics, _vma, pitfalls
+from optax_accum import _buffers, _checks, _noise_scale, _numerics, _vma, pitfalls
 from optax_accum._loss_scale import LossScale, StaticLossScale
 from optax_accum._state import AccumulationState
 
@@ -46,6 +46,7 @@ def accumulate(
   clip_norm: float | None = None,
   skip_nonfinite: bool = True,
   axis_name: str | tuple[str, ...] | None = None,
+  noise_scale_decay: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted microbatch gradients and runs ``inner`` once per window.
 
@@ -85,6 +86,15 @@ def accumulate(
       own sums with no communication; at the boundary one ``psum`` of the sums
       precedes the single division, so windows are weighted by the global token
       count and every replica applies the same update.
+    noise_scale_decay: ``None`` (default: off, nothing computed) or the decay in
+      [0, 1) of an EMA over windows of the gradient noise scale ``B_simple``
+      (McCandlish et al. 2018, appendix A), estimated from the window's own
+      microbatches: one scalar ``weight * |g|^2`` per microbatch, the rest at the
+      boundary. Read it with :func:`optax_accum.metrics` (``noise_scale``,
+      ``noise_trace``, ``noise_signal``), in the units of ``weight``. Windows
+      with fewer than 2 nonzero-weight microbatches, skipped and empty windows
+      leave it unchanged; under ``axis_name`` each device's microbatches are
+      samples. docs/noise_scale.md.
 
   Update args:
     grads: gradient of this microbatch's *mean* loss, a tree like the params.
@@ -113,12 +123,12 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: at construction for a bad ``every_k`` (or one above
-      2**31 - 1), ``clip_norm``, ``axis_name`` or ``accumulator_dtype`` (a
-      64-bit one without x64); at trace time for a non-scalar, boolean,
-      concrete negative or unrepresentable weight, for grads whose tree,
-      shapes or dtypes do not match the state or params, for device-varying
-      params under ``axis_name``, and for a concrete state made with another
-      ``every_k`` or loss-scale configuration.
+      2**31 - 1), ``clip_norm``, ``axis_name``, ``noise_scale_decay`` (not in
+      [0, 1)) or ``accumulator_dtype`` (a 64-bit one without x64); at trace
+      time for a non-scalar, boolean, concrete negative or unrepresentable
+      weight, for grads whose tree, shapes or dtypes do not match the state
+      or params, for device-varying params under ``axis_name``, and for a
+      concrete state made with another ``every_k`` or loss-scale configuration.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -140,6 +150,7 @@ def accumulate(
   every_k = _checks.options(
     inner, every_k, clip_norm, skip_nonfinite, loss_scale, accumulator_dtype, axis_name
   )
+  noise_decay = _checks.noise_scale_decay(noise_scale_decay)
   scale_kind = 0 if loss_scale is None else 1 if isinstance(loss_scale, StaticLossScale) else 2
   config = _Config(
     inner=optax.with_extra_args_support(inner),
@@ -152,6 +163,7 @@ def accumulate(
     clip_norm=clip_norm,
     skip_nonfinite=skip_nonfinite,
     axis_name=axis_name,
+    noise_decay=noise_decay,
   )
 
   def init_fn(params):
@@ -186,6 +198,7 @@ class _Config(NamedTuple):
   clip_norm: float | None
   skip_nonfinite: bool
   axis_name: str | tuple[str, ...] | None
+  noise_decay: float | None = None  # the noise scale's EMA decay (None: off)
 
   def window_length(self, num_updates: jax.Array) -> jax.Array:
     """``every_k`` for the window after ``num_updates`` applied windows, int32."""
@@ -238,6 +251,8 @@ def _init(config: _Config, params: PyTree) -> AccumulationState:
     growth_streak=zero_i(),
     every_k=jnp.asarray(config.every_k_fp, jnp.int32),
     loss_scale_kind=jnp.asarray(config.scale_kind, jnp.int32),
+    **dict(zip(_noise_scale.WINDOW, _noise_scale.zeros(), strict=True)),
+    **{name: jnp.zeros((), fdt) for name in _noise_scale.EMA},
     inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
   )
   return _vma.per_device_window(state, config.axis_name)
@@ -249,6 +264,7 @@ class _Window(NamedTuple):
   weight_sum: jax.Array
   value_sum: jax.Array
   value_weight: jax.Array
+  noise: tuple = ()  # (noise_sq_sum, noise_samples) with a noise_scale_decay (_noise_scale)
 
 
 class _Closed(NamedTuple):
@@ -263,6 +279,9 @@ class _Closed(NamedTuple):
   has_grad_norm: jax.Array
   loss_scale: jax.Array
   growth_streak: jax.Array
+  noise_trace_ema: jax.Array
+  noise_signal_ema: jax.Array
+  noise_ema_weight: jax.Array
 
 
 class _Like(NamedTuple):
@@ -282,6 +301,9 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
   w = _checks.weight(weight)
   flush = _checks.flush_flag(flush)
   window = _Window(state.weight_sum + w, state.value_sum, state.value_weight)
+  if config.noise_decay is not None:  # one scalar per microbatch, from the same cast gradient
+    noise = (state.noise_sq_sum, state.noise_samples)
+    window = window._replace(noise=_noise_scale.add(noise, state.acc, grads, w))
   if value is not None:
     window = window._replace(
       value_sum=_numerics.weighted_add(state.value_sum, _checks.value(value), w),
@@ -326,6 +348,7 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
     weight_sum=reset(window.weight_sum),
     value_sum=reset(window.value_sum),
     value_weight=reset(window.value_weight),
+    **_noise_window(state, window.noise, reset),
     num_microbatches=optax.safe_increment(state.num_microbatches),
     every_k=state.every_k,
     loss_scale_kind=state.loss_scale_kind,
@@ -360,7 +383,7 @@ def _close(config, state, acc, window, inner_state, params, like, fits, value, e
   sums = (acc, *window)
   if config.axis_name is not None:  # the window's one all-reduce
     sums = jax.lax.psum(sums, config.axis_name)
-  g_sum, w_sum, v_sum, v_weight = sums
+  g_sum, w_sum, v_sum, v_weight, noise = sums
   denom = w_sum * state.loss_scale.astype(w_sum.dtype)
   norm, finite = _numerics.norm_and_finite(g_sum, denom)
   empty = w_sum == 0
@@ -431,6 +454,7 @@ def _close(config, state, acc, window, inner_state, params, like, fits, value, e
     has_grad_norm=jnp.where(empty, state.has_grad_norm, has_norm),
     loss_scale=scale,
     growth_streak=streak,
+    **_close_noise(config, state, noise, w_sum, norm, finite & ~empty),
   )
   return out, acc_out, inner_state, closed
 
@@ -460,3 +484,19 @@ def _unstash(own: PyTree, acc: PyTree, fits: PyTree, like: PyTree, updated: jax.
     return jnp.where(updated, a.astype(u.dtype), jnp.zeros((), u.dtype))
 
   return jax.tree.map(leaf, fits, own, acc, like, is_leaf=lambda x: x is None)
+
+
+def _noise_window(state, noise, reset) -> dict[str, jax.Array]:
+  """The noise scale's window sums after this call (the state's own zeros when it is off)."""
+  if not noise:
+    return {f: getattr(state, f) for f in _noise_scale.WINDOW}
+  return dict(zip(_noise_scale.WINDOW, map(reset, noise), strict=True))
+
+
+def _close_noise(config, state, noise, w_sum, norm, ok) -> dict[str, jax.Array]:
+  """The noise scale's EMA fields after the window (unchanged when it is off or not ``ok``)."""
+  ema = tuple(getattr(state, f) for f in _noise_scale.EMA)
+  if noise:
+    est = _noise_scale.estimate(*noise, w_sum, norm, state.loss_scale)
+    ema = _noise_scale.ema_update(ema, est, config.noise_decay, ok)
+  return dict(zip(_noise_scale.EMA, ema, strict=True))

@@ -80,6 +80,23 @@ def axis_names(axis_name: Any) -> None:
     )
 
 
+def noise_scale_decay(decay: Any) -> float | None:
+  """The validated EMA decay of the gradient noise scale: None (off) or a float in [0, 1)."""
+  if decay is None:
+    return None
+  if isinstance(decay, (bool, str)) or not isinstance(decay, (int, float, np.number)):
+    raise TypeError(
+      f"noise_scale_decay must be None (no noise scale) or a float in [0, 1) (the EMA decay "
+      f"per window, e.g. 0.9), got {decay!r}."
+    )
+  if not 0 <= float(decay) < 1:
+    raise ValueError(
+      f"noise_scale_decay must be in [0, 1) (the EMA decay per window; 0 keeps only the last "
+      f"window, 0.9 averages about 10 windows), got {decay}. Pass None to turn it off."
+    )
+  return float(decay)
+
+
 # Window positions, counters and streaks are int32 in the state.
 INT32_MAX = int(np.iinfo(np.int32).max)
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _checks, _loss_scale, _numerics
+from optax_accum import _checks, _loss_scale, _noise_scale, _numerics
 from optax_accum import _microbatch_mesh as _mesh
 
 PyTree = Any
@@ -151,6 +151,7 @@ def microbatched_value_and_grad(
   loss_scale: Any = None,
   unscale: bool | None = None,
   accumulator_dtype: Any = None,
+  noise_scale: bool = False,
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
@@ -226,19 +227,32 @@ def microbatched_value_and_grad(
       ``unscale`` omitted, the gradient is still divided, with a
       ``DeprecationWarning``; the next release returns the scaled gradient.
     accumulator_dtype: override of the carry's dtype, as in ``accumulate``.
+    noise_scale: also return this batch's gradient noise estimates (McCandlish
+      et al. 2018, appendix A; the same code as ``accumulate``'s
+      ``noise_scale_decay``): one scalar ``w_k |g_k|^2`` per microbatch (per
+      lane under ``jit`` with ``axis_name``, per device under ``shard_map``:
+      each is a sample), the rest after the scan. Average ``trace`` and
+      ``signal`` over steps (e.g. EMAs) and take their ratio for ``B_simple``.
+      docs/noise_scale.md.
 
   Returns:
     ``f(params, batch, *args, **kwargs) -> (value, grads)`` with
     ``jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)``'s output
     structure: ``value`` is ``loss``, ``(loss, aux)``, ``(loss, new_state)`` or
-    ``(loss, (aux, new_state))``; ``grads`` is a tree like ``params``.
+    ``(loss, (aux, new_state))``; ``grads`` is a tree like ``params``. With
+    ``noise_scale=True`` the value is ``(value, estimate)``: ``estimate`` an
+    ``NoiseEstimate`` named tuple of 0-d arrays (``trace``, ``signal``:
+    the unbiased estimates of ``tr(Sigma)`` and ``|G|^2``, unscaled, in the
+    weight-sum dtype; ``num_samples``: int32; ``valid``: bool, False for fewer
+    than 2 nonzero-weight samples).
 
   Raises:
-    TypeError, ValueError: for a bad ``num_microbatches`` or ``aux_mode`` at
-      construction; at trace time for an indivisible batch, a non-scalar loss or
-      weight, a boolean weight, a loss-scale policy or a concrete non-positive
-      or non-finite ``loss_scale``, an ``axis_name`` that is not an axis of the
-      current mesh, or ``has_state`` with a ``jit`` ``axis_name``.
+    TypeError, ValueError: for a bad ``num_microbatches``, ``aux_mode`` or
+      ``noise_scale`` (not a bool) at construction; at trace time for an
+      indivisible batch, a non-scalar loss or weight, a boolean weight, a
+      loss-scale policy or a concrete non-positive or non-finite
+      ``loss_scale``, an ``axis_name`` that is not an axis of the current
+      mesh, or ``has_state`` with a ``jit`` ``axis_name``.
 
   Examples:
     >>> import optax_accum
@@ -260,6 +274,8 @@ def microbatched_value_and_grad(
   k_total = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
   if aux_mode not in _AUX_MODES:
     raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
+  if not isinstance(noise_scale, (bool, np.bool_)):
+    raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
   if accumulator_dtype is not None:
     accumulator_dtype = jnp.dtype(accumulator_dtype)
   unscale_ = bool(unscale)
@@ -350,28 +366,34 @@ def microbatched_value_and_grad(
     if has_aux and aux_mode == "mean":
       aux0 = jax.tree.map(lambda s: zeros(s, _carry_dtype(s.dtype)), aux_s)
     wsum0 = zeros(w_s, _numerics.scalar_dtype())
+    noise0 = ()
+    if noise_scale:  # (sum_k w_k |g_k|^2, samples), one per lane
+      noise0 = tuple(zeros(w_s, z.dtype) for z in _noise_scale.zeros())
+    add_noise = jax.vmap(_noise_scale.add, spmd_axis_name=axes) if lanes else _noise_scale.add
 
     def body(carry, xs):
-      acc, wsum, loss_sum, aux_sum, state = carry
+      acc, wsum, loss_sum, aux_sum, state, noise = carry
       k, mb = xs
       loss, aux, new_state, g, w = grads_of(mb, k, state)
+      if noise:
+        noise = add_noise(noise, acc, g, w)
       acc = add(acc, g, w)
       loss_sum = add(loss_sum, loss, w)
       if aux_sum is not None:
         aux_sum = add(aux_sum, aux, w)
       stacked = (aux, w) if (has_aux and aux_mode == "stack") else None
-      return (acc, wsum + w, loss_sum, aux_sum, new_state), stacked
+      return (acc, wsum + w, loss_sum, aux_sum, new_state, noise), stacked
 
-    carry0 = (acc0, wsum0, loss0, aux0, state0)
+    carry0 = (acc0, wsum0, loss0, aux0, state0, noise0)
     ks = jnp.arange(k_total, dtype=jnp.int32)
-    (acc, wsum, loss_sum, aux_sum, state), stacked = jax.lax.scan(body, carry0, (ks, micro))
+    (acc, wsum, loss_sum, aux_sum, state, noise), stacked = jax.lax.scan(body, carry0, (ks, micro))
 
     # The one reduction over devices, after the scan.
-    sums = (acc, wsum, loss_sum, aux_sum)
+    sums = (acc, wsum, loss_sum, aux_sum, noise)
     if lanes:
-      acc, wsum, loss_sum, aux_sum = jax.tree.map(lambda x: x.sum(0), sums)
+      acc, wsum, loss_sum, aux_sum, noise = jax.tree.map(lambda x: x.sum(0), sums)
     elif mode == "shard_map":
-      acc, wsum, loss_sum, aux_sum = _mesh.psum_sums(sums, axes)
+      acc, wsum, loss_sum, aux_sum, noise = _mesh.psum_sums(sums, axes)
     # The one division of the step (by the weight sum, times the scale if unscaling).
     denom = wsum if (scale is None or not unscale_) else wsum * scale
     grads = optax.tree.cast_like(_numerics.guarded_divide(acc, denom), params)
@@ -388,6 +410,11 @@ def microbatched_value_and_grad(
       value = (loss, (aux, state)) if has_aux else (loss, state)
     else:
       value = (loss, aux) if has_aux else loss
+    if noise_scale:
+      # |G_B| from the boundary's own norm of the unscaled mean (docs/noise_scale.md).
+      unscaled = wsum if scale is None else wsum * scale
+      norm, _ = _numerics.norm_and_finite(acc, unscaled)
+      value = (value, _noise_scale.estimate(*noise, wsum, norm, scale))
     return value, grads
 
   return value_and_grad

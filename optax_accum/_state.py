@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _buffers, _numerics, pitfalls
+from optax_accum import _buffers, _noise_scale, _numerics, pitfalls
 
 PyTree = Any
 
@@ -73,6 +73,19 @@ class AccumulationState(NamedTuple):
       none, 1 for :func:`optax_accum.static_loss_scale` (whose value must then
       equal ``loss_scale``), 2 for :func:`optax_accum.dynamic_loss_scale`.
       Checked on every concrete call and by ``check_compatible``.
+    noise_sq_sum: float (the weight-sum dtype), ``sum_i w_i |g_i|^2`` of the
+      window's microbatches (scaled gradients with a loss scale): the gradient
+      noise scale's one per-microbatch sum. 0 when ``noise_scale_decay`` is None.
+    noise_samples: float (the weight-sum dtype, to share the boundary's one
+      all-reduce), the window's microbatches with a nonzero weight (the noise
+      scale's samples ``K``; 0 when ``noise_scale_decay`` is None).
+    noise_trace_ema: float, the EMA numerator of ``S_est`` (the estimate of
+      ``tr(Sigma)``, McCandlish et al. 2018); 0 until a window with ``K >= 2``
+      closes, and always 0 when ``noise_scale_decay`` is None.
+    noise_signal_ema: float, the EMA numerator of ``G2_est`` (the estimate of
+      ``|G|^2``); as ``noise_trace_ema``.
+    noise_ema_weight: float, the EMAs' bias-correction weight ``1 - decay**t``
+      after ``t`` windows that counted: 0 means "no estimate yet".
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -104,6 +117,11 @@ class AccumulationState(NamedTuple):
   growth_streak: jax.Array
   every_k: jax.Array
   loss_scale_kind: jax.Array
+  noise_sq_sum: jax.Array
+  noise_samples: jax.Array
+  noise_trace_ema: jax.Array
+  noise_signal_ema: jax.Array
+  noise_ema_weight: jax.Array
   inner_state: PyTree
 
   @property
@@ -125,7 +143,7 @@ class AccumulationState(NamedTuple):
 
 # The fields that hold the open window (one device's share of it under shard_map):
 # reset at every boundary, emptied by `discard`, stacked per device by `stack_windows`.
-WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight")
+WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight", *_noise_scale.WINDOW)
 
 
 def _is_state(x: Any) -> bool:
@@ -213,6 +231,17 @@ class Metrics(NamedTuple):
     has_grad_norm: bool, False while ``grad_norm`` is not the last closed
       window's norm ("no value yet": before the first window closes, or after a
       window whose mean was NaN/Inf).
+    noise_scale: float, ``B_simple = noise_trace / noise_signal``, the gradient
+      noise scale (McCandlish et al. 2018) in the units of ``weight`` (examples
+      or tokens): the critical batch size's simple estimate. 0 until a window
+      with at least two nonzero-weight microbatches closes, while
+      ``noise_signal <= 0``, and without ``accumulate(..., noise_scale_decay=...)``.
+      docs/noise_scale.md.
+    noise_trace: float, the bias-corrected EMA of ``S_est``, the estimate of
+      ``tr(Sigma)`` (per-example gradient covariance; squared gradient units
+      times the unit of ``weight``). 0 as ``noise_scale``.
+    noise_signal: float, the bias-corrected EMA of ``G2_est``, the estimate of
+      ``|G|^2`` (squared gradient units). 0 as ``noise_scale``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -241,6 +270,9 @@ class Metrics(NamedTuple):
   grad_norm: jax.Array
   has_window_loss: jax.Array
   has_grad_norm: jax.Array
+  noise_scale: jax.Array
+  noise_trace: jax.Array
+  noise_signal: jax.Array
 
 
 def metrics(opt_state: PyTree) -> Metrics:
@@ -268,6 +300,9 @@ def metrics(opt_state: PyTree) -> Metrics:
   """
   pitfalls.check_state(opt_state, AccumulationState)
   s = find_state(opt_state)
+  noise_scale, noise_trace, noise_signal = _noise_scale.read(
+    s.noise_trace_ema, s.noise_signal_ema, s.noise_ema_weight
+  )
   return Metrics(
     mini_step=s.mini_step,
     num_microbatches=s.num_microbatches,
@@ -280,6 +315,9 @@ def metrics(opt_state: PyTree) -> Metrics:
     grad_norm=s.grad_norm,
     has_window_loss=s.has_window_loss,
     has_grad_norm=s.has_grad_norm,
+    noise_scale=noise_scale,
+    noise_trace=noise_trace,
+    noise_signal=noise_signal,
   )
 
 

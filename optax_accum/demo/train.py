@@ -195,6 +195,8 @@ def _estimate(
 TIMING_SECONDS, TIMING_MAX_SECONDS = 1.0, 10.0
 # A run estimated to take longer than this gets a warning line.
 LONG_RUN_SECONDS = 30 * 60
+# The EMA decay of the gradient noise scale (per window; about the last 20 windows count).
+NOISE_SCALE_DECAY = 0.95
 # Without a terminal, progress is a plain line about this often (in updates: a tenth of the run).
 PROGRESS_LINES = 10
 
@@ -244,7 +246,8 @@ def train(
 
   model = make_model(config)
   inner = make_inner(config) if inner is None else inner
-  tx = optax_accum.accumulate(inner, config.every_k)
+  # The gradient noise scale (docs/noise_scale.md): B_simple in tokens, from each window.
+  tx = optax_accum.accumulate(inner, config.every_k, noise_scale_decay=NOISE_SCALE_DECAY)
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
@@ -335,13 +338,19 @@ def train(
         _write(
           out,
           f"update {new_updates}/{config.updates}: loss {float(m.window_loss):.3f}, "
-          f"{tokens / elapsed:,.0f} tokens/s, {_duration(elapsed)} elapsed",
+          f"{tokens / elapsed:,.0f} tokens/s, {_duration(elapsed)} elapsed, "
+          f"B_simple {float(m.noise_scale):,.0f} tokens",
         )
       num_updates = new_updates
       if time.perf_counter() - last_postfix > 0.5:
         last_postfix = time.perf_counter()
         rate = tokens / (last_postfix - t0)
-        bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+        bar.set_postfix(
+          loss=f"{float(m.window_loss):.3f}",
+          tok_s=f"{rate:,.0f}",
+          b_noise=f"{float(m.noise_scale):,.0f}",
+          refresh=False,
+        )
       if num_updates >= config.updates:
         break
     epoch_rng.shuffle(train_lines)
@@ -382,5 +391,11 @@ def train(
     f"num_microbatches={final['num_microbatches']} flushed_windows={flushed} "
     f"tokens={tokens:,} ({tokens / train_seconds:,.0f} tokens/s); "
     f"total {time.perf_counter() - t_start:.1f} s",
+  )
+  _write(
+    out,
+    f"critical batch (gradient noise scale B_simple, EMA over windows): "
+    f"{final['noise_scale']:,.0f} tokens; effective batch: "
+    f"{tokens / max(final['num_updates'], 1):,.0f} tokens per update (docs/noise_scale.md)",
   )
   return result

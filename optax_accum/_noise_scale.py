@@ -1,0 +1,200 @@
+"""The gradient noise scale ``B_simple`` from a window's own microbatches.
+
+Inside one window every microbatch gradient is taken at the same params, which
+is what the unbiased estimator of McCandlish et al. 2018 ("An Empirical Model
+of Large-Batch Training", appendix A) needs: for microbatch ``k`` of weight
+``n_k`` (examples or tokens) and mean gradient ``g_k``, ``N = sum_k n_k`` and
+the window mean ``G_B = sum_k n_k g_k / N``, with per-example gradients of mean
+``G`` and covariance ``Sigma``, ``E|g_k|^2 = |G|^2 + tr(Sigma) / n_k`` and
+``E|G_B|^2 = |G|^2 + tr(Sigma) / N``, so
+
+    S_est  = (sum_k n_k |g_k|^2 - N |G_B|^2) / (K - 1)        (estimates tr Sigma)
+    G2_est = (K |G_B|^2 - sum_k n_k |g_k|^2 / N) / (K - 1)    (estimates |G|^2)
+
+which are McCandlish's ``B_small = n``, ``B_big = K n`` formulas when every
+``n_k = n``. ``B_simple = EMA(S_est) / EMA(G2_est)`` (a ratio of EMAs, bias
+corrected like Adam's moments), in the units of ``weight``.
+
+The only per-microbatch quantity is the scalar ``n_k |g_k|^2`` (:func:`add`),
+read from the gradient cast exactly as :func:`_numerics.weighted_add` casts it;
+``|G_B|^2`` is the square of the global norm the boundary computes anyway
+(:func:`_numerics.norm_and_finite`). The same functions serve
+:func:`optax_accum.accumulate` (``noise_scale_decay``) and
+:func:`optax_accum.microbatched_value_and_grad` (``noise_scale=True``).
+docs/noise_scale.md says when the estimate is valid; docs/design.md maps the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum import _numerics
+
+PyTree = Any
+
+# The state's fields that hold the open window's noise sums (see _state.WINDOW_FIELDS),
+# and its EMA fields (changed at boundaries only).
+WINDOW = ("noise_sq_sum", "noise_samples")
+EMA = ("noise_trace_ema", "noise_signal_ema", "noise_ema_weight")
+
+
+class NoiseEstimate(NamedTuple):
+  """One window's (or one in-step batch's) unbiased noise estimates; 0-d arrays.
+
+  Attributes:
+    trace: ``S_est``, the estimate of ``tr(Sigma)``: the trace of the
+      per-example (or per-token) gradient covariance, in squared gradient units
+      times the unit of ``weight``. Float (the weight-sum dtype).
+    signal: ``G2_est``, the estimate of ``|G|^2``, the squared norm of the true
+      mean gradient (squared gradient units). May be negative by chance when
+      the noise dominates. Float.
+    num_samples: int32, ``K``: the microbatches with a nonzero weight (times
+      the devices under ``axis_name``).
+    valid: bool, whether ``trace`` and ``signal`` are estimates: ``K >= 2``, a
+      positive weight sum and finite values. Both are 0 where it is False.
+  """
+
+  trace: jax.Array
+  signal: jax.Array
+  num_samples: jax.Array
+  valid: jax.Array
+
+
+def zeros() -> tuple[jax.Array, jax.Array]:
+  """A fresh window's noise sums ``(sum_k n_k |g_k|^2, K)``: float zeros (the weight-sum dtype).
+
+  ``K`` is a float too, so that both ride in the boundary's one all-reduce with the
+  other float sums (an int32 would be a second all-reduce); it is exact up to 2**24.
+  """
+  return jnp.zeros((), _numerics.scalar_dtype()), jnp.zeros((), _numerics.scalar_dtype())
+
+
+def add(
+  sums: tuple[jax.Array, jax.Array], acc: PyTree, grads: PyTree, weight: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """The window's noise sums with one microbatch added: ``n_k |g_k|^2`` and one sample.
+
+  ``|g_k|^2`` is summed over the gradient leaves cast to the accumulator's
+  dtypes (``acc``), as :func:`_numerics.weighted_add` casts them, so that a
+  compiler can fuse both into one read of the gradient. A zero-weight
+  microbatch (a flush, all padding) is not a sample and adds nothing, even a NaN.
+
+  Args:
+    sums: ``(sq_sum, samples)``: float scalars.
+    acc: the accumulator (its dtypes only).
+    grads: the microbatch's mean gradient (of the scaled loss, with a loss scale).
+    weight: the microbatch's weight ``n_k``, a scalar.
+
+  Returns:
+    ``(sq_sum + n_k |g_k|^2, samples + 1)``, or ``sums`` unchanged for weight 0.
+
+  Examples:
+    >>> s = add(zeros(), {'w': jnp.zeros(2)}, {'w': jnp.array([3., 4.])}, jnp.float32(2))
+    >>> float(s[0]), int(s[1])  # 2 * (9 + 16)
+    (50.0, 1)
+  """
+  sq_sum, samples = sums
+  cast = jax.tree.map(lambda a, g: jnp.asarray(g).astype(a.dtype), acc, grads)
+  sq = optax.tree.norm(cast, squared=True).astype(sq_sum.dtype)
+  nonzero = weight != 0
+  term = jnp.where(nonzero, weight.astype(sq.dtype) * sq, jnp.zeros((), sq.dtype))
+  return sq_sum + term, samples + nonzero.astype(samples.dtype)
+
+
+def estimate(
+  sq_sum: jax.Array,
+  samples: jax.Array,
+  weight_sum: jax.Array,
+  mean_norm: jax.Array,
+  loss_scale: jax.Array | None = None,
+) -> NoiseEstimate:
+  """``S_est`` and ``G2_est`` of a closed window (module docstring; McCandlish et al. 2018).
+
+  Args:
+    sq_sum: ``sum_k n_k |g_k|^2`` of the (scaled) microbatch gradients.
+    samples: ``K`` (a float or int scalar).
+    weight_sum: ``N = sum_k n_k``.
+    mean_norm: ``|G_B|``, the global norm of the window's unscaled mean gradient.
+    loss_scale: the window's loss scale (``sq_sum`` is divided by its square);
+      None for 1.
+
+  Returns:
+    A :class:`NoiseEstimate`; zeros and ``valid=False`` for ``K < 2``, ``N <= 0``
+    or a non-finite result.
+
+  Examples:
+    >>> # n = (1, 3), g = (1, 3): N = 4, G_B = 2.5, sum n |g|^2 = 28
+    >>> e = estimate(jnp.float32(28), jnp.int32(2), jnp.float32(4), jnp.float32(2.5))
+    >>> float(e.trace), float(e.signal), bool(e.valid)  # (28 - 25) / 1, (12.5 - 7) / 1
+    (3.0, 5.5, True)
+  """
+  dtype = _numerics.promote_types(_numerics.scalar_dtype(), sq_sum.dtype)
+  sq = sq_sum.astype(dtype)
+  if loss_scale is not None:
+    s = jnp.asarray(loss_scale).astype(dtype)
+    sq = sq / s / s
+  k = samples.astype(dtype)
+  n = weight_sum.astype(dtype)
+  g2 = jnp.square(mean_norm.astype(dtype))
+  enough = (samples >= 2) & (n > 0)
+  one = jnp.ones((), dtype)
+  km1 = jnp.where(enough, k - 1, one)
+  safe_n = jnp.where(enough, n, one)
+  trace = (sq - n * g2) / km1
+  signal = (k * g2 - sq / safe_n) / km1
+  valid = enough & jnp.isfinite(trace) & jnp.isfinite(signal)
+  zero = jnp.zeros((), dtype)
+  num = samples.astype(jnp.int32)
+  return NoiseEstimate(jnp.where(valid, trace, zero), jnp.where(valid, signal, zero), num, valid)
+
+
+def ema_update(
+  ema: tuple[jax.Array, jax.Array, jax.Array], est: NoiseEstimate, decay: float, ok: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The bias-corrected EMAs after one window: ``(trace_ema, signal_ema, weight)``.
+
+  ``x_ema = decay * x_ema + (1 - decay) * x`` for ``S_est`` and ``G2_est``, and
+  the bias-correction weight ``w = decay * w + (1 - decay)`` (``1 - decay**t``
+  after ``t`` windows, Adam's correction): the estimates are ``x_ema / w``.
+  Unchanged unless ``est.valid & ok`` (a skipped or empty window, ``K < 2``).
+
+  Examples:
+    >>> est = NoiseEstimate(jnp.float32(3), jnp.float32(5.5), jnp.int32(2), jnp.bool_(True))
+    >>> ema = ema_update((jnp.float32(0),) * 3, est, 0.9, jnp.bool_(True))
+    >>> [round(float(x), 4) for x in ema]  # 0.1 * 3, 0.1 * 5.5, 0.1
+    [0.3, 0.55, 0.1]
+  """
+  use = est.valid & ok
+
+  def step(old, x):
+    d = jnp.asarray(decay, old.dtype)
+    new = d * old + (1 - d) * x.astype(old.dtype)
+    return jnp.where(use, new, old)
+
+  trace_ema, signal_ema, weight = ema
+  one = jnp.ones((), weight.dtype)
+  return step(trace_ema, est.trace), step(signal_ema, est.signal), step(weight, one)
+
+
+def read(
+  trace_ema: jax.Array, signal_ema: jax.Array, weight: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(B_simple, EMA(S_est), EMA(G2_est))``, bias corrected, from the state's EMA fields.
+
+  All 0 before the first window with ``K >= 2`` closes (``weight == 0``).
+  ``B_simple = trace / signal`` where ``signal > 0``, else 0 (a non-positive
+  signal estimate: the noise dominates and ``B_simple`` is not defined).
+
+  Examples:
+    >>> [float(x) for x in read(jnp.float32(0.3), jnp.float32(0.6), jnp.float32(0.1))]
+    [0.5, 3.0, 6.0]
+  """
+  trace = _numerics.guarded_divide(trace_ema, weight)
+  signal = _numerics.guarded_divide(signal_ema, weight)
+  positive = signal > 0
+  b = jnp.where(positive, trace / jnp.where(positive, signal, jnp.ones_like(signal)), 0)
+  return b.astype(trace.dtype), trace, signal

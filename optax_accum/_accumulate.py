@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _buffers, _checks, _numerics, _vma, pitfalls
+from optax_accum import _buffers, _checks, _numerics, _vma, _window_weight, pitfalls
 from optax_accum._loss_scale import LossScale, StaticLossScale
 from optax_accum._state import AccumulationState
 
@@ -35,8 +35,10 @@ PyTree = Any
 
 def accumulate(
   inner: optax.GradientTransformation,
-  every_k: int | Callable[[jax.Array], Any],
+  every_k: int | Callable[[jax.Array], Any] | None = None,
   *,
+  window_weight: float | Callable[[jax.Array], Any] | None = None,
+  window_weight_of: str | None = None,
   accumulator_dtype: Any = None,
   loss_scale: LossScale | None = None,
   clip_norm: float | None = None,
@@ -136,11 +138,13 @@ def accumulate(
   every_k = _checks.options(
     inner, every_k, clip_norm, skip_nonfinite, loss_scale, accumulator_dtype, axis_name
   )
+  budget = _checks.window_weight(every_k, window_weight, window_weight_of)
   scale_kind = 0 if loss_scale is None else 1 if isinstance(loss_scale, StaticLossScale) else 2
   config = _Config(
     inner=optax.with_extra_args_support(inner),
     every_k=every_k,
-    every_k_fp=-1 if callable(every_k) else every_k,
+    every_k_fp=-1 if callable(every_k) else 0 if every_k is None else every_k,
+    budget=None if budget is None else _window_weight.Budget(*budget),
     scale_kind=scale_kind,
     static_scale=1.0 if scale_kind == 0 else loss_scale.value if scale_kind == 1 else None,
     accumulator_dtype=None if accumulator_dtype is None else jnp.dtype(accumulator_dtype),
@@ -173,8 +177,9 @@ class _Config(NamedTuple):
   """``accumulate``'s configuration, validated; it lives in the closure, never in the state."""
 
   inner: optax.GradientTransformationExtraArgs
-  every_k: int | Callable[[jax.Array], Any]
-  every_k_fp: int
+  every_k: int | Callable[[jax.Array], Any] | None
+  every_k_fp: int  # the state's every_k fingerprint: k, -1 a schedule, 0 none (a budget alone)
+  budget: _window_weight.Budget | None  # window_weight (issue 15)
   scale_kind: int  # the loss_scale_kind fingerprint: 0 none, 1 static, 2 dynamic
   static_scale: float | None  # the loss scale a state must hold (None: dynamic)
   accumulator_dtype: Any
@@ -185,6 +190,8 @@ class _Config(NamedTuple):
 
   def window_length(self, num_updates: jax.Array) -> jax.Array:
     """``every_k`` for the window after ``num_updates`` applied windows, int32."""
+    if self.every_k is None:  # windows close on their weight (or a flush) alone
+      return jnp.asarray(_checks.INT32_MAX, jnp.int32)
     if not callable(self.every_k):
       return jnp.asarray(self.every_k, jnp.int32)
     return _checks.window_length(self.every_k(num_updates))
@@ -234,6 +241,8 @@ def _init(config: _Config, params: PyTree) -> AccumulationState:
     growth_streak=zero_i(),
     every_k=jnp.asarray(config.every_k_fp, jnp.int32),
     loss_scale_kind=jnp.asarray(config.scale_kind, jnp.int32),
+    weight_seen=_window_weight.zeros(),
+    window_weight=_window_weight.zeros(),
     inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
   )
   return _vma.per_device_window(state, config.axis_name)
@@ -259,6 +268,8 @@ class _Closed(NamedTuple):
   has_grad_norm: jax.Array
   loss_scale: jax.Array
   growth_streak: jax.Array
+  weight_seen: _window_weight.WeightCount
+  window_weight: _window_weight.WeightCount
 
 
 class _Like(NamedTuple):
@@ -284,7 +295,10 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
       value_weight=state.value_weight + w,
     )
   mini_step = state.mini_step + 1
-  boundary = (mini_step >= config.window_length(state.num_updates)) | flush
+  by_weight = _window_weight.reached(
+    config.budget, window.weight_sum, state.num_updates, state.weight_seen, config.axis_name
+  )
+  boundary = (mini_step >= config.window_length(state.num_updates)) | by_weight | flush
   like = _likes(config, grads, state, params, fused, value, extra_args)
 
   def between(operands):
@@ -406,6 +420,11 @@ def _close(config, state, acc, window, inner_state, params, like, fused, value, 
     has_grad_norm=jnp.where(empty, state.has_grad_norm, has_norm),
     loss_scale=scale,
     growth_streak=streak,
+    # The window's (global) weight, counted exactly; an empty window changes nothing.
+    weight_seen=_window_weight.add(state.weight_seen, w_sum),
+    window_weight=jax.tree.map(
+      lambda new, old: jnp.where(empty, old, new), _window_weight.of(w_sum), state.window_weight
+    ),
   )
   # Zeros written once the inner optimizer has read the sum (they wait for a token
   # read from its output), so XLA writes them into the accumulator's own buffer.

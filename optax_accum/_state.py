@@ -62,12 +62,21 @@ class AccumulationState(NamedTuple):
       window (1.0 without a loss scale).
     growth_streak: int32, consecutive applied windows since the scale last
       changed (dynamic loss scale only; 0 otherwise).
-    every_k: int32 fingerprint of the configuration: the window length, or -1
-      when ``every_k`` is a schedule. Checked on every concrete call.
+    every_k: int32 fingerprint of the configuration: the window length, -1
+      when ``every_k`` is a schedule, 0 when it is None (windows closed by
+      ``window_weight`` alone). Checked on every concrete call.
     loss_scale_kind: int32 fingerprint of the loss-scale configuration: 0 for
       none, 1 for :func:`optax_accum.static_loss_scale` (whose value must then
       equal ``loss_scale``), 2 for :func:`optax_accum.dynamic_loss_scale`.
       Checked on every concrete call and by ``check_compatible``.
+    weight_seen: a ``WeightCount`` (uint32 ``high`` and ``low`` words and a
+      float ``frac``: ``high * 2**32 + low + frac``), the exact total weight of
+      every window closed since ``init`` (applied, skipped or flushed; global
+      under ``axis_name``). Fixed while a window is open: the data position at
+      the last boundary (add ``weight_sum`` for the open window's). A
+      discarded window is not counted. docs/window_weight.md says what is exact.
+    window_weight: a ``WeightCount``, the weight of the last closed non-empty
+      window (0 until one closes).
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -99,6 +108,8 @@ class AccumulationState(NamedTuple):
   growth_streak: jax.Array
   every_k: jax.Array
   loss_scale_kind: jax.Array
+  weight_seen: Any  # a _window_weight.WeightCount (a NamedTuple of three 0-d arrays)
+  window_weight: Any  # a _window_weight.WeightCount
   inner_state: PyTree
 
 
@@ -192,6 +203,14 @@ class Metrics(NamedTuple):
     has_grad_norm: bool, False while ``grad_norm`` is not the last closed
       window's norm ("no value yet": before the first window closes, or after a
       window whose mean was NaN/Inf).
+    weight_seen: a ``WeightCount`` (a pytree of three 0-d arrays; see
+      :class:`AccumulationState`), the exact weight (tokens, examples) of every
+      window closed since init: the position a token schedule or a data loader
+      resumes from at a boundary. ``float(m.weight_seen)`` / ``int(...)`` read
+      it exactly outside ``jit``; ``m.weight_seen.approx()`` is a rounded float
+      array under ``jit``.
+    window_weight: a ``WeightCount``, the weight of the last closed non-empty
+      window (the effective batch of the last update, in tokens or examples).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -207,6 +226,8 @@ class Metrics(NamedTuple):
     (1.5, 1.4142)
     >>> bool(m.has_window_loss), bool(m.has_grad_norm)
     (True, True)
+    >>> float(m.weight_seen), float(m.window_weight)  # 3 + 1, exact past 2**24 too
+    (4.0, 4.0)
   """
 
   mini_step: jax.Array
@@ -220,6 +241,8 @@ class Metrics(NamedTuple):
   grad_norm: jax.Array
   has_window_loss: jax.Array
   has_grad_norm: jax.Array
+  weight_seen: Any  # a _window_weight.WeightCount
+  window_weight: Any  # a _window_weight.WeightCount
 
 
 def metrics(opt_state: PyTree) -> Metrics:
@@ -259,6 +282,8 @@ def metrics(opt_state: PyTree) -> Metrics:
     grad_norm=s.grad_norm,
     has_window_loss=s.has_window_loss,
     has_grad_norm=s.has_grad_norm,
+    weight_seen=s.weight_seen,
+    window_weight=s.window_weight,
   )
 
 

@@ -52,10 +52,10 @@ def accumulate(
   ============================  ================================================
   every call (microstep)        ``acc += weight * grads`` (in ``acc``'s dtype);
                                 ``weight_sum += weight``; emit exact zeros
-  boundary (``every_k`` calls   ``mean = acc / (weight_sum * loss_scale)``, one
-  or ``flush=True``)            finite check, global norm, clip to
-                                ``clip_norm``, ``inner.update(mean, ...)`` once,
-                                reset ``acc`` and ``weight_sum`` with zeros
+  boundary (``every_k`` calls,  ``mean = acc / (weight_sum * loss_scale)``, one
+  ``weight_sum`` reaching       finite check, global norm, clip to
+  ``window_weight``, or         ``clip_norm``, ``inner.update(mean, ...)`` once,
+  ``flush=True``)               reset ``acc`` and ``weight_sum`` with zeros
   non-finite window             zeros emitted, inner state untouched,
                                 ``num_skipped += 1``, loss scale backs off
   empty window (weight sum 0)   zeros emitted, nothing counted
@@ -68,7 +68,25 @@ def accumulate(
     every_k: microbatches per window, an int >= 1, or a callable of
       ``num_updates`` (applied windows; int32 array) returning an integer
       scalar, like ``optax.MultiSteps(every_k_schedule=...)``; a value below 1
-      acts as 1 (every call closes a window).
+      acts as 1 (every call closes a window). None: no count limit (then
+      ``window_weight`` is required). With ``window_weight`` too, it caps the
+      microbatches per window: whichever comes first closes it.
+    window_weight: the window's budget of weight (tokens, examples): the window
+      closes at the first microbatch whose cumulative weight reaches it, and
+      the mean divides by the weight actually accumulated (the overshoot is
+      kept, not split). A number (finite, > 0, exact in the weight-sum dtype),
+      or a ramp: a callable returning the budget (a real scalar; 0, a negative
+      value or NaN closes at the first microbatch), called with what
+      ``window_weight_of`` names. Under ``axis_name`` the budget is global:
+      the window's weight sum is all-reduced every microstep (one scalar
+      ``psum``, the only communication between boundaries). See
+      docs/window_weight.md.
+    window_weight_of: for a callable ``window_weight`` (required then, refused
+      otherwise): ``'num_updates'`` (applied windows, int32) or
+      ``'weight_seen'`` (the weight of every window closed so far, a float
+      array; ``metrics(state).weight_seen``). Both stay fixed while a window is
+      open. :func:`optax_accum.sqrt_scaled_schedule` scales the learning rate
+      with a ramp of ``'num_updates'``.
     accumulator_dtype: dtype of the accumulator. ``None`` (default) uses
       ``jnp.promote_types(grad.dtype, jnp.float32)`` per leaf: float32 for
       bf16/fp16/float32 gradients, float64 under ``jax_enable_x64``, complex
@@ -111,8 +129,9 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: at construction for a bad ``every_k`` (or one above
-      2**31 - 1), ``clip_norm``, ``axis_name`` or ``accumulator_dtype`` (a
-      64-bit one without x64); at trace time for a non-scalar, boolean,
+      2**31 - 1), neither ``every_k`` nor ``window_weight``, a bad
+      ``window_weight`` or ``window_weight_of``, ``clip_norm``, ``axis_name``
+      or ``accumulator_dtype`` (a 64-bit one without x64); at trace time for a non-scalar, boolean,
       concrete negative or unrepresentable weight, for grads whose tree,
       shapes or dtypes do not match the state or params, for device-varying
       params under ``axis_name``, and for a concrete state made with another
@@ -129,6 +148,15 @@ def accumulate(
     >>> u, state = tx.update({'w': jnp.array([5., 5.])}, state, params, weight=1)
     >>> u['w']  # -(3 * 1 + 1 * 5) / 4
     Array([-2., -2.], dtype=float32)
+
+    A token budget: the window closes at the first microbatch reaching 8 tokens.
+
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=8)
+    >>> state = tx.init(params)
+    >>> for n in (3, 4, 2):  # 3, 7, then 9 >= 8: closes with 9 tokens
+    ...   u, state = tx.update({'w': jnp.full(2, float(n))}, state, params, weight=n)
+    >>> u['w'], int(optax_accum.metrics(state).window_weight)  # -(9 + 16 + 4) / 9
+    (Array([-3.2222223, -3.2222223], dtype=float32), 9)
 
   References:
     Hugging Face, `Fixing gradient accumulation

@@ -271,6 +271,7 @@ def _init(config: _Config, params: PyTree) -> AccumulationState:
     loss_scale_kind=jnp.asarray(config.scale_kind, jnp.int32),
     weight_seen=_window_weight.zeros(),
     window_weight=_window_weight.zeros(),
+    window_weight_parts=_window_weight.zero_parts(),
     inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
   )
   return _vma.per_device_window(state, config.axis_name)
@@ -282,6 +283,7 @@ class _Window(NamedTuple):
   weight_sum: jax.Array
   value_sum: jax.Array
   value_weight: jax.Array
+  weight_parts: jax.Array  # the window's weight, exact (_window_weight.add_parts)
 
 
 class _Closed(NamedTuple):
@@ -316,7 +318,12 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
   _checks.replicated_params(params, config.axis_name)
   w = _checks.weight(weight)
   flush = _checks.flush_flag(flush)
-  window = _Window(state.weight_sum + w, state.value_sum, state.value_weight)
+  window = _Window(
+    state.weight_sum + w,
+    state.value_sum,
+    state.value_weight,
+    _window_weight.add_parts(state.window_weight_parts, w),
+  )
   if value is not None:
     window = window._replace(
       value_sum=_numerics.weighted_add(state.value_sum, _checks.value(value), w),
@@ -359,6 +366,7 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
     weight_sum=reset(window.weight_sum),
     value_sum=reset(window.value_sum),
     value_weight=reset(window.value_weight),
+    window_weight_parts=reset(window.weight_parts),
     num_microbatches=optax.safe_increment(state.num_microbatches),
     every_k=state.every_k,
     loss_scale_kind=state.loss_scale_kind,
@@ -388,7 +396,7 @@ def _close(config, state, acc, window, inner_state, params, like, fused, value, 
   sums = (acc, *window)
   if config.axis_name is not None:  # the window's one all-reduce
     sums = jax.lax.psum(sums, config.axis_name)
-  g_sum, w_sum, v_sum, v_weight = sums
+  g_sum, w_sum, v_sum, v_weight, w_parts = sums
   denom = w_sum * state.loss_scale.astype(w_sum.dtype)
   norm, finite = _numerics.norm_and_finite(g_sum, denom)
   empty = w_sum == 0
@@ -449,9 +457,11 @@ def _close(config, state, acc, window, inner_state, params, like, fused, value, 
     loss_scale=scale,
     growth_streak=streak,
     # The window's (global) weight, counted exactly; an empty window changes nothing.
-    weight_seen=_window_weight.add(state.weight_seen, w_sum),
+    weight_seen=_window_weight.count_parts(state.weight_seen, w_parts),
     window_weight=jax.tree.map(
-      lambda new, old: jnp.where(empty, old, new), _window_weight.of(w_sum), state.window_weight
+      lambda new, old: jnp.where(empty, old, new),
+      _window_weight.count_parts(_window_weight.zeros(), w_parts),
+      state.window_weight,
     ),
   )
   # Zeros written once the inner optimizer has read the sum (they wait for a token

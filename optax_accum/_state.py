@@ -74,9 +74,15 @@ class AccumulationState(NamedTuple):
       every window closed since ``init`` (applied, skipped or flushed; global
       under ``axis_name``). Fixed while a window is open: the data position at
       the last boundary (add ``weight_sum`` for the open window's). A
-      discarded window is not counted. docs/window_weight.md says what is exact.
+      discarded window is not counted. Exact for whole weights in windows of
+      any size (docs/window_weight.md).
     window_weight: a ``WeightCount``, the weight of the last closed non-empty
       window (0 until one closes).
+    window_weight_parts: float32 (float64 under x64) ``[7]``, the open
+      window's weight, exact: its fraction and six 12-bit parts of its whole
+      part (this device's share under ``axis_name``, all-reduced with the other
+      sums at the boundary, exactly for up to 4096 devices), from which the
+      boundary adds the window's weight to ``weight_seen``.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -110,12 +116,13 @@ class AccumulationState(NamedTuple):
   loss_scale_kind: jax.Array
   weight_seen: Any  # a _window_weight.WeightCount (a NamedTuple of three 0-d arrays)
   window_weight: Any  # a _window_weight.WeightCount
+  window_weight_parts: jax.Array
   inner_state: PyTree
 
 
 # The fields that hold the open window (one device's share of it under shard_map):
 # reset at every boundary, emptied by `discard`, stacked per device by `stack_windows`.
-WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight")
+WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight", "window_weight_parts")
 
 
 def _is_state(x: Any) -> bool:

@@ -7,7 +7,8 @@ weight seen so far). :func:`budget` evaluates it, :func:`reached` decides the
 boundary (under ``axis_name`` with one scalar all-reduce per microstep), and
 :class:`WeightCount` carries ``weight_seen`` (every closed window's weight since
 ``init``) and ``window_weight`` (the last closed window's) exactly, without
-``jax_enable_x64``. :func:`sqrt_scaled_schedule` scales a learning-rate schedule
+``jax_enable_x64`` (the open window's weight in exact parts, :func:`add_parts`).
+:func:`sqrt_scaled_schedule` scales a learning-rate schedule
 with the square root of a ramp. See docs/window_weight.md and docs/design.md.
 """
 
@@ -42,13 +43,13 @@ class WeightCount(NamedTuple):
   whole part, exact up to 2**64 - 1. Under ``jit``, :meth:`approx` gives a
   rounded float array.
 
-  What is exact: integer weights are counted exactly (each closed window adds
-  its weight sum, itself exact in float32 while the window holds at most
-  2**24 = 16,777,216 tokens, or when its weights share a power-of-two factor:
-  4096-token packed rows stay exact up to 2**36 per window). Fractional parts
-  are added in float32 (float64 under x64) and carried into the whole part, so
-  a fractional total is within float32 rounding of its fraction (below 2**-24
-  per window), never of its magnitude.
+  What is exact: every whole weight (any integer a float32 holds), in windows
+  of any size: the open window is counted in 12-bit parts
+  (:func:`add_parts`, the state's ``window_weight_parts``), all-reduced exactly
+  under ``axis_name`` for up to 4096 devices, and added here at its boundary.
+  Fractional parts are added in float32 (float64 under x64) and carried into
+  the whole part, so a fractional total is within float32 rounding of its
+  fraction (about 2**-24 per microbatch), never of its magnitude.
 
   Attributes:
     high: uint32, the whole part's multiples of 2**32.
@@ -111,9 +112,7 @@ def add(count: WeightCount, weight: jax.Array) -> WeightCount:
     The new :class:`WeightCount`.
   """
   dt = count.frac.dtype
-  w = jnp.asarray(weight).astype(dt)
-  w = jnp.where(jnp.isfinite(w) & (w > 0), w, jnp.zeros((), dt))
-  w = jnp.minimum(w, jnp.asarray(np.nextafter(np.asarray(2.0**64, dt), np.asarray(0, dt)), dt))
+  w = _clean(weight, dt)
   whole = jnp.floor(w)
   frac = count.frac + (w - whole)  # w - floor(w) is exact
   carry = frac >= 1
@@ -138,6 +137,68 @@ def add(count: WeightCount, weight: jax.Array) -> WeightCount:
 def of(weight: jax.Array) -> WeightCount:
   """``weight`` as a :class:`WeightCount` (``add(zeros(), weight)``)."""
   return add(zeros(), weight)
+
+
+# The open window's exact weight, per device: PARTS 12-bit parts of the whole part (72 bits)
+# and the fraction, as floats of the weight-sum dtype. Each part stays below 2**12, so the
+# boundary's all-reduce (the same variadic psum as the window's other sums, one dtype) adds
+# up to 2**24 / 2**12 = 4096 devices' parts exactly in float32.
+PART_BITS, PARTS = 12, 6
+MAX_EXACT_DEVICES = 2 ** (24 - PART_BITS)
+
+
+def zero_parts() -> jax.Array:
+  """An empty window's parts: ``[frac, p0, ..., p5]``, zeros of the weight-sum dtype."""
+  return jnp.zeros((PARTS + 1,), _numerics.scalar_dtype())
+
+
+def _clean(w: jax.Array, dt: Any) -> jax.Array:
+  """``w`` in ``dt``: 0 for a negative, NaN or infinite value; below 2**64."""
+  w = jnp.asarray(w).astype(dt)
+  w = jnp.where(jnp.isfinite(w) & (w > 0), w, jnp.zeros((), dt))
+  return jnp.minimum(w, jnp.asarray(np.nextafter(np.asarray(2.0**64, dt), np.asarray(0, dt)), dt))
+
+
+def add_parts(parts: jax.Array, weight: jax.Array) -> jax.Array:
+  """``parts + weight`` exactly (a whole ``weight``), each part carried back below 2**12.
+
+  Args:
+    parts: ``[frac, p0, ..., p5]`` (:func:`zero_parts`), this device's open window.
+    weight: this device's microbatch weight (a negative, NaN or infinite one adds nothing).
+
+  Returns:
+    The new parts: ``frac`` in [0, 1), ``p0..p4`` in [0, 2**12), the top part as it grows.
+  """
+  dt = parts.dtype
+  w = _clean(weight, dt)
+  whole = jnp.floor(w)
+  pieces, rest = [], whole
+  for k in reversed(range(PARTS)):  # power-of-two scalings and exact remainders
+    scale = jnp.asarray(2.0 ** (PART_BITS * k), dt)
+    piece = jnp.floor(rest * jnp.asarray(2.0 ** (-PART_BITS * k), dt))
+    rest = rest - piece * scale
+    pieces.append(piece)
+  new = parts + jnp.stack([w - whole, *reversed(pieces)])
+  frac = new[0]
+  carry = (frac >= 1).astype(dt)
+  out = [frac - carry]
+  base = jnp.asarray(2.0**PART_BITS, dt)
+  for k in range(PARTS):
+    v = new[k + 1] + carry
+    if k == PARTS - 1:  # the top part keeps what it holds (2**72 is never reached)
+      out.append(v)
+      break
+    carry = jnp.floor(v / base)
+    out.append(v - carry * base)
+  return jnp.stack(out)
+
+
+def count_parts(count: WeightCount, parts: jax.Array) -> WeightCount:
+  """``count`` plus the (all-reduced) parts of a window, exactly: each term is a whole float."""
+  count = add(count, parts[0])  # the fractions' sum (its whole part too)
+  for k in range(PARTS):
+    count = add(count, parts[k + 1] * jnp.asarray(2.0 ** (PART_BITS * k), parts.dtype))
+  return count
 
 
 class Budget(NamedTuple):

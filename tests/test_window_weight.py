@@ -188,6 +188,30 @@ def test_weight_seen_is_exact_past_2_24_and_2_31_and_near_1e15():
   assert str(m.weight_seen) == str(total) and m.weight_seen.item() == total
 
 
+def test_a_window_past_2_24_tokens_is_counted_exactly():
+  """float32's weight_sum rounds 2**24 + 1; the window's exact parts do not."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=2**26)
+  params = {"w": jnp.zeros(())}
+  step = jax.jit(lambda s, w: tx.update({"w": jnp.ones(())}, s, params, weight=w)[1])
+  state = tx.init(params)
+  weights = [2**24, 1, 2**24 + 2, 3, 2**25 + 4]  # 2**26 + 10: closes at the last one
+  for w in weights:
+    state = step(state, jnp.float32(w))
+  m = optax_accum.metrics(state)
+  assert bool(m.updated) and float(np.float32(2**24) + np.float32(1)) != 2**24 + 1
+  assert int(m.window_weight) == int(m.weight_seen) == sum(weights)
+
+
+def test_window_parts_carry_and_count_exactly():
+  rng = np.random.default_rng(0)
+  weights = [int(np.float32(x)) for x in rng.integers(0, 2**40, size=50)]  # float32 values
+  parts, add = _window_weight.zero_parts(), jax.jit(_window_weight.add_parts)
+  for w in weights:
+    parts = add(parts, jnp.float32(w))
+  assert np.all(np.asarray(parts[1:-1]) < 2**12) and float(parts[0]) == 0
+  assert int(_window_weight.count_parts(_window_weight.zeros(), parts)) == sum(weights)
+
+
 def test_fractional_weights_add_within_float32_rounding():
   count, exact = _window_weight.zeros(), 0.0
   add = jax.jit(_window_weight.add)

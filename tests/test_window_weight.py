@@ -122,10 +122,10 @@ def check_run(counts, budget, cap, reference_budget, of=None):
 @hypothesis.settings(max_examples=20, deadline=None)
 @hypothesis.given(
   counts=st.lists(st.integers(0, ROWS), min_size=STEPS, max_size=STEPS),
-  budget=st.sampled_from([7, 16]),
-  cap=st.sampled_from([None, 3]),
+  config=st.sampled_from([(7, None), (16, 3)]),  # (budget, every_k cap): two compilations
 )
-def test_windows_close_at_the_first_microbatch_reaching_the_budget(counts, budget, cap):
+def test_windows_close_at_the_first_microbatch_reaching_the_budget(counts, config):
+  budget, cap = config
   check_run(counts, budget, cap, lambda n, seen: budget)
 
 
@@ -239,14 +239,17 @@ def test_metrics_weight_seen_is_a_pytree_under_jit():
   tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=3)
   params = {"w": jnp.zeros(())}
 
+  step = jax.jit(lambda s: tx.update({"w": jnp.ones(())}, s, params, weight=2)[1])
+  state = tx.init(params)
+  for _ in range(4):
+    state = step(state)
+
   @jax.jit
   def f(state):
-    for _ in range(4):
-      _, state = tx.update({"w": jnp.ones(())}, state, params, weight=2)
     m = optax_accum.metrics(state)
     return m, m.weight_seen.approx()
 
-  m, approx = f(tx.init(params))
+  m, approx = f(state)
   assert isinstance(m.weight_seen, _window_weight.WeightCount)
   assert (float(m.weight_seen), float(m.window_weight), float(approx)) == (8.0, 4.0, 8.0)
   doubled = jax.tree.map(lambda x: x + x, m.weight_seen)

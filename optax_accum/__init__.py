@@ -25,6 +25,7 @@ from optax_accum._state import (
   metrics,
 )
 from optax_accum._train_step import update_and_apply
+from optax_accum._window_weight import sqrt_scaled_schedule
 from optax_accum.planning import plan_microbatch
 
 __version__ = "0.2.0"
@@ -43,6 +44,7 @@ __all__ = [
   "plan_microbatch",
   "scaled_value_and_grad",
   "split_batch",
+  "sqrt_scaled_schedule",
   "static_loss_scale",
   "update_and_apply",
 ]

@@ -25,6 +25,12 @@ INSTALL_FLAX = 'pip install "optax_accum[flax]" (from a clone: pip install -e ".
 OPTIONS = (
   ("--microbatch-size", int, "lines per microbatch"),
   ("--every-k", int, "microbatches per optimizer update (the window)"),
+  (
+    "--tokens-per-update",
+    int,
+    "real bytes per update: a window closes at the first microbatch "
+    "reaching it; 0: windows of --every-k microbatches",
+  ),
   ("--updates", int, "optimizer updates to train for"),
   ("--seed", int, "model init and data shuffling seed"),
   ("--seq-len", int, "context length in bytes"),
@@ -81,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
   config = train.QUICK if args.quick else train.DemoConfig()
   fields = {f.name for f in dataclasses.fields(config)}
   overrides = {k: v for k, v in vars(args).items() if k in fields}
+  if overrides.get("tokens_per_update") == 0:  # 0: off, windows of every_k microbatches
+    overrides["tokens_per_update"] = None
   for name, value in overrides.items():
-    if name != "seed" and value < 1:
+    if name != "seed" and value is not None and value < 1:
       demo.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
   config = dataclasses.replace(config, **overrides)
   if args.memory_budget is not None:  # compiles the step for a few sizes; allocates nothing

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _buffers, _checks, _noise_scale, _numerics, _vma, pitfalls
+from optax_accum import _buffers, _checks, _noise_scale, _numerics, _vma, _window_weight, pitfalls
 from optax_accum._loss_scale import LossScale, StaticLossScale
 from optax_accum._state import AccumulationState
 
@@ -39,8 +39,10 @@ PyTree = Any
 
 def accumulate(
   inner: optax.GradientTransformation,
-  every_k: int | Callable[[jax.Array], Any],
+  every_k: int | Callable[[jax.Array], Any] | None = None,
   *,
+  window_weight: float | Callable[[jax.Array], Any] | None = None,
+  window_weight_of: str | None = None,
   accumulator_dtype: Any = None,
   loss_scale: LossScale | None = None,
   clip_norm: float | None = None,
@@ -55,10 +57,10 @@ def accumulate(
   ============================  ================================================
   every call (microstep)        ``acc += weight * grads`` (in ``acc``'s dtype);
                                 ``weight_sum += weight``; emit exact zeros
-  boundary (``every_k`` calls   ``mean = acc / (weight_sum * loss_scale)``, one
-  or ``flush=True``)            finite check, global norm, clip to
-                                ``clip_norm``, ``inner.update(mean, ...)`` once;
-                                the window is empty again (``mini_step == 0``)
+  boundary (``every_k`` calls,  ``mean = acc / (weight_sum * loss_scale)``, one
+  ``weight_sum`` reaching       finite check, global norm, clip to
+  ``window_weight``, or         ``clip_norm``, ``inner.update(mean, ...)`` once;
+  ``flush=True``)               the window is empty again (``mini_step == 0``)
   non-finite window             zeros emitted, inner state untouched,
                                 ``num_skipped += 1``, loss scale backs off
   empty window (weight sum 0)   zeros emitted, nothing counted
@@ -71,7 +73,25 @@ def accumulate(
     every_k: microbatches per window, an int >= 1, or a callable of
       ``num_updates`` (applied windows; int32 array) returning an integer
       scalar, like ``optax.MultiSteps(every_k_schedule=...)``; a value below 1
-      acts as 1 (every call closes a window).
+      acts as 1 (every call closes a window). None: no count limit (then
+      ``window_weight`` is required). With ``window_weight`` too, it caps the
+      microbatches per window: whichever comes first closes it.
+    window_weight: the window's budget of weight (tokens, examples): the window
+      closes at the first microbatch whose cumulative weight reaches it, and
+      the mean divides by the weight actually accumulated (the overshoot is
+      kept, not split). A number (finite, > 0, exact in the weight-sum dtype),
+      or a ramp: a callable returning the budget (a real scalar; 0, a negative
+      value or NaN closes at the first microbatch), called with what
+      ``window_weight_of`` names. Under ``axis_name`` the budget is global:
+      the window's weight sum is all-reduced every microstep (one scalar
+      ``psum``, the only communication between boundaries). See
+      docs/window_weight.md.
+    window_weight_of: for a callable ``window_weight`` (required then, refused
+      otherwise): ``'num_updates'`` (applied windows, int32) or
+      ``'weight_seen'`` (the weight of every window closed so far, a float
+      array; ``metrics(state).weight_seen``). Both stay fixed while a window is
+      open. :func:`optax_accum.sqrt_scaled_schedule` scales the learning rate
+      with a ramp of ``'num_updates'``.
     accumulator_dtype: dtype of the accumulator. ``None`` (default) uses
       ``jnp.promote_types(grad.dtype, jnp.float32)`` per leaf: float32 for
       bf16/fp16/float32 gradients, float64 under ``jax_enable_x64``, complex
@@ -123,12 +143,14 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: at construction for a bad ``every_k`` (or one above
-      2**31 - 1), ``clip_norm``, ``axis_name``, ``noise_scale_decay`` (not in
-      [0, 1)) or ``accumulator_dtype`` (a 64-bit one without x64); at trace
-      time for a non-scalar, boolean, concrete negative or unrepresentable
-      weight, for grads whose tree, shapes or dtypes do not match the state
-      or params, for device-varying params under ``axis_name``, and for a
-      concrete state made with another ``every_k`` or loss-scale configuration.
+      2**31 - 1), neither ``every_k`` nor ``window_weight``, a bad
+      ``window_weight`` or ``window_weight_of``, ``clip_norm``, ``axis_name``,
+      ``noise_scale_decay`` (not in [0, 1)) or ``accumulator_dtype`` (a 64-bit
+      one without x64); at trace time for a non-scalar, boolean, concrete
+      negative or unrepresentable weight, for grads whose tree, shapes or
+      dtypes do not match the state or params, for device-varying params under
+      ``axis_name``, and for a concrete state made with another ``every_k`` or
+      loss-scale configuration.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -142,6 +164,15 @@ def accumulate(
     >>> u['w']  # -(3 * 1 + 1 * 5) / 4
     Array([-2., -2.], dtype=float32)
 
+    A token budget: the window closes at the first microbatch reaching 8 tokens.
+
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=8)
+    >>> state = tx.init(params)
+    >>> for n in (3, 4, 2):  # 3, 7, then 9 >= 8: closes with 9 tokens
+    ...   u, state = tx.update({'w': jnp.full(2, float(n))}, state, params, weight=n)
+    >>> u['w'], int(optax_accum.metrics(state).window_weight)  # -(9 + 16 + 4) / 9
+    (Array([-3.2222223, -3.2222223], dtype=float32), 9)
+
   References:
     Hugging Face, `Fixing gradient accumulation
     <https://huggingface.co/blog/gradient_accumulation>`_ (2024), on weighting by
@@ -151,11 +182,13 @@ def accumulate(
     inner, every_k, clip_norm, skip_nonfinite, loss_scale, accumulator_dtype, axis_name
   )
   noise_decay = _checks.noise_scale_decay(noise_scale_decay)
+  budget = _checks.window_weight(every_k, window_weight, window_weight_of)
   scale_kind = 0 if loss_scale is None else 1 if isinstance(loss_scale, StaticLossScale) else 2
   config = _Config(
     inner=optax.with_extra_args_support(inner),
     every_k=every_k,
-    every_k_fp=-1 if callable(every_k) else every_k,
+    every_k_fp=-1 if callable(every_k) else 0 if every_k is None else every_k,
+    budget=None if budget is None else _window_weight.Budget(*budget),
     scale_kind=scale_kind,
     static_scale=1.0 if scale_kind == 0 else loss_scale.value if scale_kind == 1 else None,
     accumulator_dtype=None if accumulator_dtype is None else jnp.dtype(accumulator_dtype),
@@ -189,8 +222,9 @@ class _Config(NamedTuple):
   """``accumulate``'s configuration, validated; it lives in the closure, never in the state."""
 
   inner: optax.GradientTransformationExtraArgs
-  every_k: int | Callable[[jax.Array], Any]
-  every_k_fp: int
+  every_k: int | Callable[[jax.Array], Any] | None
+  every_k_fp: int  # the state's every_k fingerprint: k, -1 a schedule, 0 none (a budget alone)
+  budget: _window_weight.Budget | None  # window_weight (issue 15)
   scale_kind: int  # the loss_scale_kind fingerprint: 0 none, 1 static, 2 dynamic
   static_scale: float | None  # the loss scale a state must hold (None: dynamic)
   accumulator_dtype: Any
@@ -202,6 +236,8 @@ class _Config(NamedTuple):
 
   def window_length(self, num_updates: jax.Array) -> jax.Array:
     """``every_k`` for the window after ``num_updates`` applied windows, int32."""
+    if self.every_k is None:  # windows close on their weight (or a flush) alone
+      return jnp.asarray(_checks.INT32_MAX, jnp.int32)
     if not callable(self.every_k):
       return jnp.asarray(self.every_k, jnp.int32)
     return _checks.window_length(self.every_k(num_updates))
@@ -253,6 +289,9 @@ def _init(config: _Config, params: PyTree) -> AccumulationState:
     loss_scale_kind=jnp.asarray(config.scale_kind, jnp.int32),
     **dict(zip(_noise_scale.WINDOW, _noise_scale.zeros(), strict=True)),
     **{name: jnp.zeros((), fdt) for name in _noise_scale.EMA},
+    weight_seen=_window_weight.zeros(),
+    window_weight=_window_weight.zeros(),
+    window_weight_parts=_window_weight.zero_parts(),
     inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
   )
   return _vma.per_device_window(state, config.axis_name)
@@ -264,6 +303,7 @@ class _Window(NamedTuple):
   weight_sum: jax.Array
   value_sum: jax.Array
   value_weight: jax.Array
+  weight_parts: jax.Array  # the window's weight, exact (_window_weight.add_parts)
   noise: tuple = ()  # (noise_sq_sum, noise_samples) with a noise_scale_decay (_noise_scale)
 
 
@@ -282,6 +322,8 @@ class _Closed(NamedTuple):
   noise_trace_ema: jax.Array
   noise_signal_ema: jax.Array
   noise_ema_weight: jax.Array
+  weight_seen: _window_weight.WeightCount
+  window_weight: _window_weight.WeightCount
 
 
 class _Like(NamedTuple):
@@ -300,7 +342,12 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
   _checks.replicated_params(params, config.axis_name)
   w = _checks.weight(weight)
   flush = _checks.flush_flag(flush)
-  window = _Window(state.weight_sum + w, state.value_sum, state.value_weight)
+  window = _Window(
+    state.weight_sum + w,
+    state.value_sum,
+    state.value_weight,
+    _window_weight.add_parts(state.window_weight_parts, w),
+  )
   if config.noise_decay is not None:  # one scalar per microbatch, from the same cast gradient
     noise = (state.noise_sq_sum, state.noise_samples)
     window = window._replace(noise=_noise_scale.add(noise, state.acc, grads, w))
@@ -310,7 +357,10 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
       value_weight=state.value_weight + w,
     )
   mini_step = state.mini_step + 1
-  boundary = (mini_step >= config.window_length(state.num_updates)) | flush
+  by_weight = _window_weight.reached(
+    config.budget, window.weight_sum, state.num_updates, state.weight_seen, config.axis_name
+  )
+  boundary = (mini_step >= config.window_length(state.num_updates)) | by_weight | flush
   like = _likes(config, grads, state, params, fused, value, extra_args)
   # The sum is added outside the cond: one fused, in-place pass over the donated
   # accumulator, which reads it as zeros if the window was empty (the lazy reset,
@@ -349,6 +399,7 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
     value_sum=reset(window.value_sum),
     value_weight=reset(window.value_weight),
     **_noise_window(state, window.noise, reset),
+    window_weight_parts=reset(window.weight_parts),
     num_microbatches=optax.safe_increment(state.num_microbatches),
     every_k=state.every_k,
     loss_scale_kind=state.loss_scale_kind,
@@ -383,7 +434,7 @@ def _close(config, state, acc, window, inner_state, params, like, fits, value, e
   sums = (acc, *window)
   if config.axis_name is not None:  # the window's one all-reduce
     sums = jax.lax.psum(sums, config.axis_name)
-  g_sum, w_sum, v_sum, v_weight, noise = sums
+  g_sum, w_sum, v_sum, v_weight, w_parts, noise = sums
   denom = w_sum * state.loss_scale.astype(w_sum.dtype)
   norm, finite = _numerics.norm_and_finite(g_sum, denom)
   empty = w_sum == 0
@@ -455,6 +506,13 @@ def _close(config, state, acc, window, inner_state, params, like, fits, value, e
     loss_scale=scale,
     growth_streak=streak,
     **_close_noise(config, state, noise, w_sum, norm, finite & ~empty),
+    # The window's (global) weight, counted exactly; an empty window changes nothing.
+    weight_seen=_window_weight.count_parts(state.weight_seen, w_parts),
+    window_weight=jax.tree.map(
+      lambda new, old: jnp.where(empty, old, new),
+      _window_weight.count_parts(_window_weight.zeros(), w_parts),
+      state.window_weight,
+    ),
   )
   return out, acc_out, inner_state, closed
 

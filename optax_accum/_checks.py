@@ -31,7 +31,7 @@ def options(
   loss_scale: Any,
   accumulator_dtype: Any = None,
   axis_name: Any = None,
-) -> Callable[[jax.Array], jax.Array] | int:
+) -> Callable[[jax.Array], jax.Array] | int | None:
   """Validates ``accumulate``'s configuration; returns the validated ``every_k``."""
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise TypeError(
@@ -115,9 +115,9 @@ def positive_int(value: Any, name: str, meaning: str) -> int:
   return int(value)
 
 
-def every_k(k: Any) -> Callable[[jax.Array], jax.Array] | int:
-  """The validated window length: a callable schedule, or an int >= 1."""
-  if callable(k):
+def every_k(k: Any) -> Callable[[jax.Array], jax.Array] | int | None:
+  """The validated window length: a callable schedule, an int >= 1, or None (no count limit)."""
+  if k is None or callable(k):
     return k
   return positive_int(k, "every_k", "microbatches per window, or a callable of num_updates")
 
@@ -217,7 +217,8 @@ def fingerprint(
   fp, kind, scale = int(np.asarray(fields[0])), int(np.asarray(fields[1])), fields[2]
   if fp != every_k_fp:
     raise ValueError(
-      f"This optimizer state was created with every_k={fp} (-1 means a schedule) but the "
+      f"This optimizer state was created with every_k={fp} (-1 means a schedule, 0 none: "
+      f"windows closed by window_weight alone) but the "
       f"transformation has every_k={every_k_fp}. Windows would be mixed: restore into an "
       "accumulate() with the same configuration, or start a fresh state with tx.init."
     )
@@ -372,3 +373,118 @@ def _concrete_weight(arr: np.ndarray, name: str) -> np.ndarray:
       "matter), or enable jax_enable_x64 for float64 sums."
     )
   return out
+
+
+# ------------------------------------------------------------- token-budget windows (issue 15)
+
+_WEIGHT_OF = ("num_updates", "weight_seen")
+
+
+def window_weight(
+  every_k: Any, budget: Any, budget_of: Any
+) -> tuple[float | Callable[[jax.Array], Any], str | None] | None:
+  """Validates ``accumulate``'s ``window_weight`` and ``window_weight_of``.
+
+  Returns:
+    ``(budget, of)``: a float budget with ``of=None``, or a callable ramp with
+    ``of`` in ``('num_updates', 'weight_seen')``; None without a budget.
+
+  Raises:
+    TypeError, ValueError: naming the argument, the limit and what to do.
+  """
+  if budget is None:
+    if every_k is None:
+      raise ValueError(
+        "accumulate needs every_k (microbatches per window) or window_weight (the weight, "
+        "e.g. tokens, per window), got neither. Pass e.g. every_k=4, or "
+        "window_weight=2**20 to close each window at the first microbatch reaching 2**20 "
+        "tokens."
+      )
+    if budget_of is not None:
+      raise ValueError(
+        f"window_weight_of={budget_of!r} is only meaningful with a callable window_weight "
+        "(a ramp); got window_weight=None. Drop window_weight_of, or pass the ramp."
+      )
+    return None
+  if callable(budget):
+    if budget_of not in _WEIGHT_OF:
+      raise ValueError(
+        f"window_weight is a callable (a ramp), so window_weight_of must say what it is "
+        f"called with: 'num_updates' (applied windows, int32) or 'weight_seen' (the weight "
+        f"of the windows closed so far, a float); got {budget_of!r}."
+      )
+    return budget, budget_of
+  if budget_of is not None:
+    raise ValueError(
+      f"window_weight_of={budget_of!r} is only meaningful with a callable window_weight (a "
+      f"ramp); got the number {budget!r}. Drop window_weight_of, or pass a callable."
+    )
+  return _budget_number(budget), None
+
+
+def _budget_number(budget: Any) -> float:
+  """A fixed ``window_weight``: finite, > 0 and exactly representable in the weight-sum dtype."""
+  if isinstance(budget, (bool, np.bool_)) or not isinstance(
+    budget, (int, float, np.integer, np.floating)
+  ):
+    raise TypeError(
+      f"window_weight must be a number (the weight, e.g. tokens, per window) or a callable "
+      f"ramp, got {budget!r}."
+    )
+  dtype = _numerics.scalar_dtype()
+  value = float(budget)
+  if not (np.isfinite(value) and value > 0):
+    raise ValueError(
+      f"window_weight must be finite and > 0 (the weight, e.g. tokens, at which a window "
+      f"closes), got {budget}. Use every_k for windows of a fixed number of microbatches."
+    )
+  with np.errstate(over="ignore"):
+    rounded = np.asarray(value, dtype)
+  exact = bool(np.isfinite(rounded)) and (
+    not isinstance(budget, (int, np.integer)) or int(rounded) == int(budget)
+  )
+  if not exact:
+    limit = 2 ** (np.finfo(dtype).nmant + 1)
+    raise ValueError(
+      f"window_weight={budget} is not exactly representable in {dtype}, the dtype of the "
+      f"window's weight sum (integers up to {limit} always are), so windows would close at "
+      f"{float(rounded):.17g}. Pass a representable budget (e.g. a multiple of a power of "
+      "two), or enable jax_enable_x64 for float64 sums."
+    )
+  return float(rounded)
+
+
+def window_weight_value(value: Any) -> jax.Array:
+  """A ramp's returned budget as a real scalar of the weight-sum dtype (may be traced)."""
+  arr = jnp.asarray(value)
+  if arr.ndim != 0 or not (
+    jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
+  ):
+    raise TypeError(
+      f"the window_weight ramp must return a real scalar (the weight per window), got "
+      f"{arr.dtype}{list(arr.shape)}."
+    )
+  return arr.astype(_numerics.scalar_dtype())
+
+
+def schedule_like(value: Any, name: str, meaning: str) -> None:
+  """Raises unless ``value`` is a callable or a real number (not a bool)."""
+  if callable(value):
+    return
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (int, float, np.integer, np.floating)
+  ):
+    raise TypeError(
+      f"{name} must be a number or a callable of the step count ({meaning}), got {value!r}."
+    )
+
+
+def positive_number(value: Any, name: str) -> float:
+  """``float(value)`` for a finite number > 0; a clear error otherwise."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (int, float, np.integer, np.floating)
+  ):
+    raise TypeError(f"{name} must be a number, got {value!r}.")
+  if not (np.isfinite(float(value)) and float(value) > 0):
+    raise ValueError(f"{name} must be finite and > 0, got {value}.")
+  return float(value)

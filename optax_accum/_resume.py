@@ -165,8 +165,8 @@ def check_compatible(
     >>> optax_accum.sharding.check_compatible(tx, params, saved)
     Traceback (most recent call last):
     ...
-    ValueError: The restored optimizer state was written with every_k=4 (-1 means a schedule)
-    but this transformation has every_k=8. ...
+    ValueError: The restored optimizer state was written with every_k=4 (-1 means a schedule,
+    0 none: windows closed by window_weight alone) but this transformation has every_k=8. ...
   """
   expected = jax.eval_shape(tx.init, params)
   if stacked:
@@ -208,7 +208,8 @@ def check_compatible(
       show = lambda fp: fp[0] if len(fp) == 1 else fp
       raise ValueError(
         f"The restored optimizer state was written with every_k={show(restored_k)} (-1 "
-        f"means a schedule) but this transformation has every_k={show(expected_k)}. Its "
+        f"means a schedule, 0 none: windows closed by window_weight alone) but this "
+        f"transformation has every_k={show(expected_k)}. Its "
         "open window would close at the wrong length and mix windows. Resume with the same "
         "every_k, or finish the window with the old configuration (optax_accum.flush) and "
         "start a fresh state with tx.init(params)."

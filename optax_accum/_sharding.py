@@ -11,7 +11,7 @@ Two ways to scale :func:`optax_accum.accumulate` out over a device mesh:
   gradient on every microstep.
 * ``jax.shard_map`` with ``accumulate(..., axis_name=...)``: each device keeps
   its own window sums and communicates once per window. The window sums
-  (``acc``, ``weight_sum``, ``value_sum``, ``value_weight``) differ between
+  (``acc``, ``weight_sum``, ``value_sum``, ``value_weight``, ``window_weight_parts``) differ between
   devices, so between jitted calls they live on a leading device axis sharded
   over the mesh axis (:func:`stack_windows`, :func:`window_specs`); inside the
   ``shard_map`` body :func:`local_state` and :func:`stacked_state` drop and
@@ -152,8 +152,8 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
 
   Use them as the state's entry of ``in_specs`` and ``out_specs``. The window
   sums of every :class:`AccumulationState` (``acc``, ``weight_sum``,
-  ``value_sum``, ``value_weight``) are per device: ``P(axis_name)`` on their
-  leading device axis (see :func:`stack_windows`). Every other leaf is the
+  ``value_sum``, ``value_weight``, ``window_weight_parts``) are per device:
+  ``P(axis_name)`` on their leading device axis (see :func:`stack_windows`). Every other leaf is the
   same on every device: ``P()``.
 
   Args:
@@ -289,7 +289,8 @@ def stacked_state(opt_state: PyTree) -> PyTree:
 
   Args:
     opt_state: a state whose window sums (``acc``, ``weight_sum``,
-      ``value_sum``, ``value_weight``) have their per-device shapes ``[*shape]``.
+      ``value_sum``, ``value_weight``, ``window_weight_parts``) have their
+      per-device shapes ``[*shape]``.
 
   Returns:
     The same structure with the window sums ``[1, *shape]`` (dtypes

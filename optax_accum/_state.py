@@ -67,8 +67,9 @@ class AccumulationState(NamedTuple):
       window (1.0 without a loss scale).
     growth_streak: int32, consecutive applied windows since the scale last
       changed (dynamic loss scale only; 0 otherwise).
-    every_k: int32 fingerprint of the configuration: the window length, or -1
-      when ``every_k`` is a schedule. Checked on every concrete call.
+    every_k: int32 fingerprint of the configuration: the window length, -1
+      when ``every_k`` is a schedule, 0 when it is None (windows closed by
+      ``window_weight`` alone). Checked on every concrete call.
     loss_scale_kind: int32 fingerprint of the loss-scale configuration: 0 for
       none, 1 for :func:`optax_accum.static_loss_scale` (whose value must then
       equal ``loss_scale``), 2 for :func:`optax_accum.dynamic_loss_scale`.
@@ -86,6 +87,20 @@ class AccumulationState(NamedTuple):
       ``|G|^2``); as ``noise_trace_ema``.
     noise_ema_weight: float, the EMAs' bias-correction weight ``1 - decay**t``
       after ``t`` windows that counted: 0 means "no estimate yet".
+    weight_seen: a ``WeightCount`` (uint32 ``high`` and ``low`` words and a
+      float ``frac``: ``high * 2**32 + low + frac``), the exact total weight of
+      every window closed since ``init`` (applied, skipped or flushed; global
+      under ``axis_name``). Fixed while a window is open: the data position at
+      the last boundary (add ``weight_sum`` for the open window's). A
+      discarded window is not counted. Exact for whole weights in windows of
+      any size (docs/window_weight.md).
+    window_weight: a ``WeightCount``, the weight of the last closed non-empty
+      window (0 until one closes).
+    window_weight_parts: float32 (float64 under x64) ``[7]``, the open
+      window's weight, exact: its fraction and six 12-bit parts of its whole
+      part (this device's share under ``axis_name``, all-reduced with the other
+      sums at the boundary, exactly for up to 4096 devices), from which the
+      boundary adds the window's weight to ``weight_seen``.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -122,6 +137,9 @@ class AccumulationState(NamedTuple):
   noise_trace_ema: jax.Array
   noise_signal_ema: jax.Array
   noise_ema_weight: jax.Array
+  weight_seen: Any  # a _window_weight.WeightCount (a NamedTuple of three 0-d arrays)
+  window_weight: Any  # a _window_weight.WeightCount
+  window_weight_parts: jax.Array
   inner_state: PyTree
 
   @property
@@ -143,7 +161,14 @@ class AccumulationState(NamedTuple):
 
 # The fields that hold the open window (one device's share of it under shard_map):
 # reset at every boundary, emptied by `discard`, stacked per device by `stack_windows`.
-WINDOW_FIELDS = ("acc", "weight_sum", "value_sum", "value_weight", *_noise_scale.WINDOW)
+WINDOW_FIELDS = (
+  "acc",
+  "weight_sum",
+  "value_sum",
+  "value_weight",
+  "window_weight_parts",
+  *_noise_scale.WINDOW,
+)
 
 
 def _is_state(x: Any) -> bool:
@@ -242,6 +267,14 @@ class Metrics(NamedTuple):
       times the unit of ``weight``). 0 as ``noise_scale``.
     noise_signal: float, the bias-corrected EMA of ``G2_est``, the estimate of
       ``|G|^2`` (squared gradient units). 0 as ``noise_scale``.
+    weight_seen: a ``WeightCount`` (a pytree of three 0-d arrays; see
+      :class:`AccumulationState`), the exact weight (tokens, examples) of every
+      window closed since init: the position a token schedule or a data loader
+      resumes from at a boundary. ``float(m.weight_seen)`` / ``int(...)`` read
+      it exactly outside ``jit``; ``m.weight_seen.approx()`` is a rounded float
+      array under ``jit``.
+    window_weight: a ``WeightCount``, the weight of the last closed non-empty
+      window (the effective batch of the last update, in tokens or examples).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -257,6 +290,8 @@ class Metrics(NamedTuple):
     (1.5, 1.4142)
     >>> bool(m.has_window_loss), bool(m.has_grad_norm)
     (True, True)
+    >>> float(m.weight_seen), float(m.window_weight)  # 3 + 1, exact past 2**24 too
+    (4.0, 4.0)
   """
 
   mini_step: jax.Array
@@ -273,6 +308,8 @@ class Metrics(NamedTuple):
   noise_scale: jax.Array
   noise_trace: jax.Array
   noise_signal: jax.Array
+  weight_seen: Any  # a _window_weight.WeightCount
+  window_weight: Any  # a _window_weight.WeightCount
 
 
 def metrics(opt_state: PyTree) -> Metrics:
@@ -318,6 +355,8 @@ def metrics(opt_state: PyTree) -> Metrics:
     noise_scale=noise_scale,
     noise_trace=noise_trace,
     noise_signal=noise_signal,
+    weight_seen=s.weight_seen,
+    window_weight=s.window_weight,
   )
 
 

@@ -63,8 +63,8 @@ def per_device_window(
     axis_name: ``accumulate``'s ``axis_name`` (None: nothing to do).
 
   Returns:
-    ``state`` with ``acc``, ``weight_sum``, ``value_sum`` and ``value_weight``
-    varying over ``axis_name``; the same values.
+    ``state`` with the window fields (``acc``, ``weight_sum``, ``value_sum``,
+    ``value_weight``, ``window_weight_parts``) varying over ``axis_name``; the same values.
   """
   if axis_name is None:
     return state

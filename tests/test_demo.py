@@ -32,6 +32,7 @@ def test_train_equals_physical_batches_with_epoch_end_flush():
   cfg = demo.DemoConfig(
     microbatch_size=8,
     every_k=2,
+    tokens_per_update=None,  # windows of every_k microbatches
     updates=2,
     seq_len=16,
     dim=8,
@@ -81,6 +82,63 @@ def test_train_equals_physical_batches_with_epoch_end_flush():
   wrong = sgd(params1_mom, value_and_grad(params1_mom, mbs[2])[1])
   gap = max(jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), wrong, expected)))
   assert gap > 1e-4
+
+
+def _budget_windows(counts, budget):
+  """The microbatch indices of each window: closed at `budget` tokens or at the epoch's end."""
+  windows, current, pending = [], [], 0
+  for i, n in enumerate(counts):
+    current.append(i)
+    pending += n
+    if pending >= budget or i == len(counts) - 1:
+      windows.append(current)
+      current, pending = [], 0
+  return windows
+
+
+@pytest.mark.slow  # about 20 s: compiles the demo's step
+def test_token_budget_windows_equal_physical_batches_of_their_microbatches():
+  # 28 training lines in 7 microbatches of 4 holding [52, 62, 50, 62, 64, 64, 63] real bytes.
+  # A budget of 115 closes windows of 3, 2 and 2 microbatches (164, 126 and 127 bytes);
+  # every_k=1 would close 7.
+  total = len(stdlib_lines(max_files=1))
+  cfg = demo.DemoConfig(
+    microbatch_size=4,
+    every_k=1,
+    tokens_per_update=115,
+    updates=3,
+    seq_len=16,
+    dim=8,
+    depth=1,
+    heads=2,
+    max_files=1,
+    eval_lines=total - 28,
+  )
+  lr = 0.5
+  result = demo.train(cfg, out=None, progress=False, check=False, inner=optax.sgd(lr))
+
+  train_lines, _ = demo.split_lines(cfg)
+  mbs = demo.microbatches(train_lines, cfg.seq_len, cfg.microbatch_size)
+  counts = [int(mb["mask"].sum()) for mb in mbs]
+  windows = _budget_windows(counts, cfg.tokens_per_update)
+  assert [len(w) for w in windows] == [3, 2, 2]  # the budget, not every_k, sets the lengths
+  assert result.window_tokens.tolist() == [sum(counts[i] for i in w) for w in windows]
+  assert result.metrics["num_updates"] == 3 and result.metrics["num_microbatches"] == 7
+  assert result.metrics["weight_seen"] == sum(counts) == result.tokens
+
+  # Reference: plain SGD on each window as one physical batch of exactly its microbatches.
+  graphdef, params, rest = nnx.split(demo.make_model(cfg), nnx.Param, ...)
+  value_and_grad = jax.jit(
+    jax.value_and_grad(lambda p, b: token_loss(nnx.merge(graphdef, p, rest), b))
+  )
+  losses = []
+  for w in windows:
+    batch = {k: np.concatenate([mbs[i][k] for i in w]) for k in mbs[0]}
+    loss, g = value_and_grad(params, batch)
+    params = jax.tree.map(lambda x, y: x - lr * y, params, g)
+    losses.append(loss)
+  chex.assert_trees_all_close(nnx.state(result.model, nnx.Param), params, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
 
 
 def test_cli_rejects_bad_options_with_the_demo_usage(capsys):
@@ -134,6 +192,7 @@ def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress
   cfg = demo.DemoConfig(
     microbatch_size=4,
     every_k=3,
+    tokens_per_update=None,  # windows of every_k microbatches (the timing counts them)
     updates=12,
     seq_len=8,
     dim=8,
@@ -202,8 +261,19 @@ def test_quick_demo_runs_and_learns():
     r"num_updates=(\d+) num_skipped=(\d+) num_microbatches=(\d+)", out
   )
   assert (updates, skipped) == (cfg.updates, 0)
-  # Windows never straddle epochs: each epoch of E microbatches ends with a flushed window.
-  epoch = -(-len(train_lines) // cfg.microbatch_size)
-  windows_per_epoch = -(-epoch // cfg.every_k)
-  full_epochs, rest = divmod(cfg.updates, windows_per_epoch)
-  assert microbatches == full_epochs * epoch + rest * cfg.every_k == planned
+  # Windows close at the token budget and never straddle epochs (each epoch ends with a
+  # flushed window): replayed here from the data, independently of the demo's own count.
+  lines, rng = list(train_lines), np.random.default_rng(cfg.seed + 1)
+  done, per_update = 0, []
+  while len(per_update) < cfg.updates:
+    counts = [
+      int(mb["mask"].sum()) for mb in demo.microbatches(lines, cfg.seq_len, cfg.microbatch_size)
+    ]
+    windows = _budget_windows(counts, cfg.tokens_per_update)[: cfg.updates - len(per_update)]
+    done += windows[-1][-1] + 1
+    per_update += [sum(counts[i] for i in w) for w in windows]
+    rng.shuffle(lines)
+  assert microbatches == done == planned
+  low, mean, high = _number(r"tokens per update: min (\d+), mean (\d+), max (\d+)", out)
+  assert (low, high) == (min(per_update), max(per_update))
+  assert mean == pytest.approx(np.mean(per_update), abs=0.5)

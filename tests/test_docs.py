@@ -16,6 +16,12 @@ RUNNABLE = [p for p in PAGES if any(not sketch for _, sketch in python_blocks(p)
 
 # page -> [(a string of the block to check after, the check)]
 CHECKS = {
+  "window_weight.md": [
+    (  # each window reaches the budget, by less than one microbatch (< 400 tokens) more
+      "window_weight=1000",
+      "assert len(sizes) >= 4 and all(1000 <= w < 1400 for _, w in sizes), sizes\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -33,6 +39,12 @@ CHECKS = {
 }
 # page -> the lines its blocks print (regular expressions), in order, as the page says.
 PRINTS = {
+  "window_weight.md": [
+    r"\[\(\d, \d{4}\)(, \(\d, \d{4}\)){3}\]",
+    r"\[500, 500, 500, 500, 500, 500, 2000, 2000, 2000\]",
+    r"1\.0 2\.0",
+    r"1103806595079",
+  ],
   "mixed_precision.md": [r"3 3 8192\.0"],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
   "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],

@@ -79,6 +79,18 @@ def test_project_urls_are_the_readme_clone_url():
   assert all((ROOT / f).is_file() for f in project["license-files"])
 
 
+# The token-budget block: windows close at the first microbatch reaching 24 tokens (issue 15).
+CHECK_WINDOW_WEIGHT = """
+closed, pending = [], 0
+for b in microbatches:
+  pending += int(np.asarray(b["mask"]).sum())
+  if pending >= 24:
+    closed, pending = closed + [pending], 0
+assert len(closed) >= 2 and int(m.num_updates) == len(closed), (closed, m)
+assert int(m.weight_seen) == sum(closed) and int(m.window_weight) == closed[-1]
+"""
+
+
 @pytest.mark.slow  # compiles a few dozen small steps: about 20 s on 2 cores
 def test_readme_python_blocks_run_in_order(tmp_path):
   blocks = python_blocks(README)
@@ -91,6 +103,7 @@ def test_readme_python_blocks_run_in_order(tmp_path):
     ("microbatched_value_and_grad", CHECK_IN_STEP),
     ("scaled_value_and_grad", CHECK_SCALED),
     ("init_sharded", CHECK_SHARDED),
+    ("window_weight=24", CHECK_WINDOW_WEIGHT),
   ):
     i = next(i for i, c in enumerate(code) if marker in c)
     checks[i] = check

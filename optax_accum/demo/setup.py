@@ -23,7 +23,12 @@ class DemoConfig:
 
   Attributes:
     microbatch_size: lines (rows) per microbatch.
-    every_k: microbatches per window (one AdamW step per window).
+    every_k: microbatches per window (one AdamW step per window) when
+      ``tokens_per_update`` is None; else only the pre-flight's window length.
+    tokens_per_update: real bytes (tokens) per window: each window closes at
+      the first microbatch reaching it (``accumulate(..., window_weight=N)``),
+      so every update sees about the same number of tokens; None: windows of
+      ``every_k`` microbatches, whose token counts vary.
     updates: optimizer updates (windows) to train for.
     seed: seed of the model init and of the data shuffling.
     seq_len: context length in bytes; longer lines are cut.
@@ -40,6 +45,7 @@ class DemoConfig:
 
   microbatch_size: int = 16
   every_k: int = 4
+  tokens_per_update: int | None = 2048  # about every_k microbatches of real bytes
   updates: int = 500
   seed: int = 0
   seq_len: int = 64
@@ -53,7 +59,14 @@ class DemoConfig:
 
 
 QUICK = DemoConfig(
-  microbatch_size=8, updates=120, seq_len=48, dim=32, depth=1, max_files=8, eval_lines=256
+  microbatch_size=8,
+  tokens_per_update=768,
+  updates=120,
+  seq_len=48,
+  dim=32,
+  depth=1,
+  max_files=8,
+  eval_lines=256,
 )
 
 
@@ -123,6 +136,33 @@ def planned_microbatches(config: DemoConfig, epoch_length: int) -> int:
   windows_per_epoch = -(-epoch_length // config.every_k)
   full_epochs, rest = divmod(config.updates, windows_per_epoch)
   return full_epochs * epoch_length + min(rest * config.every_k, epoch_length)
+
+
+def planned_by_tokens(config: DemoConfig, train_lines: list[bytes]) -> int:
+  """The microbatches a run with ``config.tokens_per_update`` consumes, by replaying its data.
+
+  The training loop's order: an epoch of ``train_lines``, then each next epoch
+  reshuffled by ``default_rng(config.seed + 1)``; a window closes at the first
+  microbatch reaching ``tokens_per_update`` real bytes, or at an epoch's end.
+
+  Examples:
+    >>> cfg = DemoConfig(microbatch_size=1, tokens_per_update=5, updates=2, seq_len=8)
+    >>> planned_by_tokens(cfg, [b'abcd', b'ab', b'abc', b'abcdef'])  # 3 + 1 + 2, then 5
+    4
+  """
+  lines, rng = list(train_lines), np.random.default_rng(config.seed + 1)
+  done = updates = 0
+  while True:
+    pending = 0
+    epoch = microbatches(lines, config.seq_len, config.microbatch_size)
+    for i, mb in enumerate(epoch):
+      pending += int(mb["mask"].sum())
+      done += 1
+      if pending >= config.tokens_per_update or i == len(epoch) - 1:
+        pending, updates = 0, updates + 1
+        if updates >= config.updates:
+          return done
+    rng.shuffle(lines)
 
 
 def make_model(config: DemoConfig) -> CharTransformer:

@@ -42,6 +42,7 @@ from optax_accum.demo.setup import (  # noqa: F401 - re-exported for `train.QUIC
   make_inner,
   make_model,
   microbatches,
+  planned_by_tokens,
   planned_microbatches,
   split_lines,
 )
@@ -61,6 +62,8 @@ class TrainResult(NamedTuple):
     metrics: :func:`optax_accum.metrics` of the final state, as Python numbers.
     tokens: real (unmasked) target bytes trained on.
     flushed_windows: incomplete windows closed at an epoch's end or the run's.
+    window_tokens: int64 ``[num_updates]``, the real bytes (tokens) of each
+      applied window, from ``metrics(...).window_weight``.
     train_seconds: wall time of the training loop (compilation excluded).
     tokens_per_second: ``tokens / train_seconds``.
     model: the trained model.
@@ -73,6 +76,7 @@ class TrainResult(NamedTuple):
   metrics: dict[str, Any]
   tokens: int
   flushed_windows: int
+  window_tokens: np.ndarray
   train_seconds: float
   tokens_per_second: float
   model: CharTransformer
@@ -246,8 +250,12 @@ def train(
 
   model = make_model(config)
   inner = make_inner(config) if inner is None else inner
+  budget = config.tokens_per_update
   # The gradient noise scale (docs/noise_scale.md): B_simple in tokens, from each window.
-  tx = optax_accum.accumulate(inner, config.every_k, noise_scale_decay=NOISE_SCALE_DECAY)
+  if budget is None:
+    tx = optax_accum.accumulate(inner, config.every_k, noise_scale_decay=NOISE_SCALE_DECAY)
+  else:  # each window closes at the first microbatch reaching `budget` real bytes
+    tx = optax_accum.accumulate(inner, window_weight=budget, noise_scale_decay=NOISE_SCALE_DECAY)
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
@@ -259,10 +267,13 @@ def train(
     f"lines of Python's standard library ({config.max_files} files), jax {jax.__version__} "
     f"on {jax.default_backend()}",
   )
+  window = f"every_k={config.every_k} microbatches"
+  if budget is not None:
+    window = f"the first microbatch reaching --tokens-per-update {budget} real bytes closes it"
   _write(
     out,
-    f"window: every_k={config.every_k} microbatches x {config.microbatch_size} lines of <= "
-    f"{config.seq_len} bytes, weight = real bytes per microbatch; inner: adamw("
+    f"window: {window}, {config.microbatch_size} lines of <= {config.seq_len} bytes per "
+    f"microbatch, weight = real bytes per microbatch; inner: adamw("
     f"{config.learning_rate:g}, weight_decay={config.weight_decay:g}), warmup-cosine over "
     f"{config.updates} updates",
   )
@@ -291,7 +302,10 @@ def train(
   step = _make_step(graphdef).lower(state, epoch[0], np.bool_(False)).compile()
 
   eval_before = _evaluate(loss_sum_and_tokens, state, eval_batches)
-  planned = planned_microbatches(config, len(epoch))
+  if budget is None:
+    planned = planned_microbatches(config, len(epoch))
+  else:
+    planned = planned_by_tokens(config, train_lines)
   _write(
     out,
     f"\nTraining: {config.updates} updates = {planned:,} microbatches "
@@ -303,19 +317,21 @@ def train(
   use_bar = progress and _is_tty(sys.stderr) and _is_tty(sys.stdout)
   lines_every = max(1, config.updates // PROGRESS_LINES) if progress and not use_bar else 0
   bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
-  window_losses, tokens, flushed, num_updates = [], 0, 0, 0
-  pending = 0  # microbatches in the open window (a host-side mirror of mini_step)
+  window_losses, window_weights, full_windows, tokens, flushed, num_updates = [], [], [], 0, 0, 0
+  pending = pending_tokens = 0  # the open window's microbatches and tokens (a host mirror)
   done, mark = 0, None  # microbatches run; (time, done) when the timing started
   while num_updates < config.updates:
     for i, mb in enumerate(epoch):
       last = i == len(epoch) - 1
       state, m = step(state, mb, np.bool_(last))
       tokens += int(mb["mask"].sum())
+      pending_tokens += int(mb["mask"].sum())
       pending += 1
       done += 1
       # Time from the end of the first microbatch (one-time costs) to the end of the first
       # window that ends TIMING_SECONDS later, or for TIMING_MAX_SECONDS; then estimate once.
-      closes = pending >= config.every_k or last
+      full = pending >= config.every_k if budget is None else pending_tokens >= budget
+      closes = full or last
       if mark is None:
         jax.block_until_ready(m.num_updates)
         mark = (time.perf_counter(), done)
@@ -325,12 +341,15 @@ def train(
         jax.block_until_ready(m.num_updates)
         _estimate(out, time.perf_counter() - t0, mark, done, planned)
         mark = False
-      if pending < config.every_k and not last:
+      if not closes:
         continue
-      # A window closed (after every_k microbatches, or flushed at the epoch's end).
-      flushed += pending < config.every_k
-      pending = 0
+      # A window closed (full: every_k microbatches or the token budget; or flushed at the
+      # epoch's end).
+      flushed += not full
+      full_windows.append(full)
+      pending = pending_tokens = 0
       window_losses.append(m.window_loss)
+      window_weights.append(m.window_weight)
       new_updates = int(m.num_updates)  # waits for this step: one sync per window
       bar.update(new_updates - num_updates)
       if lines_every and new_updates // lines_every > num_updates // lines_every:
@@ -338,8 +357,8 @@ def train(
         _write(
           out,
           f"update {new_updates}/{config.updates}: loss {float(m.window_loss):.3f}, "
-          f"{tokens / elapsed:,.0f} tokens/s, {_duration(elapsed)} elapsed, "
-          f"B_simple {float(m.noise_scale):,.0f} tokens",
+          f"{int(m.window_weight)} tokens in this update, {tokens / elapsed:,.0f} tokens/s, "
+          f"{_duration(elapsed)} elapsed, B_simple {float(m.noise_scale):,.0f} tokens",
         )
       num_updates = new_updates
       if time.perf_counter() - last_postfix > 0.5:
@@ -365,6 +384,7 @@ def train(
   final = optax_accum.metrics(optimizer.opt_state)
   final = {k: v.item() for k, v in final._asdict().items()}
   losses = np.asarray([float(x) for x in window_losses], np.float64)
+  window_tokens = np.asarray([int(w) for w in window_weights], np.int64)
   eval_after = _evaluate(loss_sum_and_tokens, state, eval_batches)
   result = TrainResult(
     preflight=report,
@@ -374,6 +394,7 @@ def train(
     metrics=final,
     tokens=tokens,
     flushed_windows=flushed,
+    window_tokens=window_tokens,
     train_seconds=train_seconds,
     tokens_per_second=tokens / train_seconds,
     model=model,
@@ -385,6 +406,14 @@ def train(
     f"(mean of the last {tail} updates)",
   )
   _write(out, f"held-out loss: {eval_before:.4f} -> {eval_after:.4f} nats/byte")
+  full = window_tokens[np.asarray(full_windows[: len(window_tokens)], bool)]
+  _write(
+    out,
+    f"tokens per update: min {window_tokens.min()}, mean {window_tokens.mean():.0f}, max "
+    f"{window_tokens.max()}, std {window_tokens.std():.0f} ("
+    + ("every_k windows" if budget is None else f"budget {budget}")
+    + (f"; without the {flushed} flushed: std {full.std():.0f})" if flushed and full.size else ")"),
+  )
   _write(
     out,
     f"metrics: num_updates={final['num_updates']} num_skipped={final['num_skipped']} "

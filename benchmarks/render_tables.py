@@ -83,6 +83,16 @@ def render(report: dict[str, Any]) -> str:
     if all(key in r["ratios"] for r in results):
       cells = " | ".join(f"{r['ratios'][key]:.2f}" for r in results)
       lines.append(f"| {label} | {goal} | {cells} |")
+  extra = main["ratios"].get("state_extra_bytes_over_inner_plus_acc")
+  if extra is not None:
+    copies = {k: v["param_sized_copies"] for k, v in main["variants"].items()}
+    lines += [
+      "",
+      f"Optimizer state: inner state + one accumulator + {extra:.0f} bytes. Parameter-sized"
+      f" copies in the compiled step: `update_and_apply` {copies['accumulate_fused']},"
+      f" `accumulate` + `optax.apply_updates` {copies['accumulate']} (the boundary's updates"
+      f" copied into the accumulator, one per leaf), `optax.MultiSteps` {copies['multisteps']}.",
+    ]
   m = report["machine"]
   load = m.get("load_average")
   shared = f", 1-minute load average {load[0]:.1f} at the end" if load else ""

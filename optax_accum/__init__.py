@@ -14,16 +14,10 @@ from optax_accum import _deprecated
 from optax_accum import sharding as sharding
 from optax_accum._accumulate import accumulate
 from optax_accum._loss_scale import dynamic_loss_scale, static_loss_scale
+from optax_accum._metrics import Metrics, get_loss_scale, metrics
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
 from optax_accum._scaled_grad import scaled_value_and_grad
-from optax_accum._state import (
-  AccumulationState,
-  Metrics,
-  discard,
-  flush,
-  get_loss_scale,
-  metrics,
-)
+from optax_accum._state import AccumulationState, discard, flush
 from optax_accum._train_step import update_and_apply
 from optax_accum._window_weight import sqrt_scaled_schedule
 from optax_accum.planning import plan_microbatch

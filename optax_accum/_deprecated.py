@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_accum._state import metrics
+from optax_accum._metrics import metrics
 
 PyTree = Any
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_accum._state import get_loss_scale
+from optax_accum._metrics import get_loss_scale
 
 PyTree = Any
 

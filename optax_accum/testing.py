@@ -27,8 +27,8 @@ import optax
 
 from optax_accum._accumulate import accumulate
 from optax_accum._collectives import count_collectives
+from optax_accum._metrics import metrics
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
-from optax_accum._state import metrics
 from optax_accum._testing_models import (
   linear_regression_data,
   linear_regression_loss,

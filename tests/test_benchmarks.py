@@ -49,11 +49,13 @@ def test_quick_benchmarks(tmp_path):
     assert {"argument_bytes", "output_bytes", "alias_bytes", "param_sized_copies"} <= set(v)
   assert set(res["ratios"]) >= {key for key, _, _ in render_tables.GOALS}
   # Structural facts that do not depend on timing noise: the accumulate state is the
-  # inner state + one accumulator + scalars (< 100 bytes); the fused steps compile no
+  # inner state + one accumulator + scalars (< 160 bytes); the fused steps compile no
   # parameter-sized copy; the default path's only ones are the boundary's copy of the
   # updates into the accumulator (one per leaf); its temporaries are the plain step's
   # plus at most one gradient-sized buffer (the boundary's updates).
-  assert 0 < res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 100
+  # 18 int32/float32/bool scalars, the noise scale's 5, two exact weight counters
+  # (2 uint32 + 1 float32 each) and the window's weight in 7 parts: 127 bytes.
+  assert 0 < res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 160
   leaves = len(microstep.make_params(2**18))
   for name in ("accumulate_fused", "accumulate_fused_noise", "nnx_optimizer", "train_state"):
     assert res["variants"][name]["param_sized_copies"] == 0, name

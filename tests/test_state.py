@@ -1,4 +1,4 @@
-"""Tests of optax_accum/_state.py: finding the state, metrics, loss scale, discard, counters."""
+"""Tests of optax_accum/_state.py and _metrics.py: finding the state, metrics, discard."""
 
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ import optax
 from flax import nnx
 
 from optax_accum import pitfalls
+from optax_accum._metrics import metrics as _metrics
 from optax_accum._state import discard as _discard_state
 from optax_accum._state import find_states, flush_with
-from optax_accum._state import metrics as _metrics
 from optax_accum._train_step import update_and_apply
 
 

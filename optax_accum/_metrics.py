@@ -1,0 +1,164 @@
+"""What to log about accumulation: :class:`Metrics`, :func:`metrics`, :func:`get_loss_scale`.
+
+Read from any optimizer state that contains one ``accumulate`` state (found by
+``_state.find_state``); everything works under ``jit``. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from optax_accum import _noise_scale, pitfalls
+from optax_accum._state import AccumulationState, find_state
+
+PyTree = Any
+
+
+class Metrics(NamedTuple):
+  """What to log about accumulation; all fields are 0-d arrays.
+
+  Attributes:
+    mini_step: int32, microbatches in the current, open window.
+    num_microbatches: int32, microbatches consumed since init (resume position).
+    num_updates: int32, windows applied: the counter to drive anything done
+      once per update (EMA, evaluation, checkpoints, logging).
+    num_skipped: int32, windows skipped for a NaN or Inf.
+    pending_weight: float, the weight (examples or tokens) in the open window.
+    updated: bool, whether the last call applied an update.
+    window_loss: float, weighted mean ``value`` of the last closed window with
+      a finite one (0.0 when there is none: read ``has_window_loss``).
+    has_window_loss: bool, False while there is no window loss to log (no
+      window with ``value`` has closed, or the last one's mean was NaN/Inf).
+    loss_scale: float32, the loss scale for the current window (1.0 unscaled).
+    grad_norm: float, pre-clip global norm of the last closed window's mean
+      gradient (0.0 before the first window closes; the last finite norm after
+      a skipped window: read ``has_grad_norm``).
+    has_grad_norm: bool, False while ``grad_norm`` is not the last closed
+      window's norm ("no value yet": before the first window closes, or after a
+      window whose mean was NaN/Inf).
+    noise_scale: float, ``B_simple = noise_trace / noise_signal``, the gradient
+      noise scale (McCandlish et al. 2018) in the units of ``weight`` (examples
+      or tokens): the critical batch size's simple estimate. 0 until a window
+      with at least two nonzero-weight microbatches closes, while
+      ``noise_signal <= 0``, and without ``accumulate(..., noise_scale_decay=...)``.
+      docs/noise_scale.md.
+    noise_trace: float, the bias-corrected EMA of ``S_est``, the estimate of
+      ``tr(Sigma)`` (per-example gradient covariance; squared gradient units
+      times the unit of ``weight``). 0 as ``noise_scale``.
+    noise_signal: float, the bias-corrected EMA of ``G2_est``, the estimate of
+      ``|G|^2`` (squared gradient units). 0 as ``noise_scale``.
+    weight_seen: a ``WeightCount`` (a pytree of three 0-d arrays; see
+      :class:`AccumulationState`), the exact weight (tokens, examples) of every
+      window closed since init: the position a token schedule or a data loader
+      resumes from at a boundary. ``float(m.weight_seen)`` / ``int(...)`` read
+      it exactly outside ``jit``; ``m.weight_seen.approx()`` is a rounded float
+      array under ``jit``.
+    window_weight: a ``WeightCount``, the weight of the last closed non-empty
+      window (the effective batch of the last update, in tokens or examples).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=2)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> for loss, n in ((1.0, 3), (3.0, 1)):  # one window: losses 1 and 3, weights 3 and 1
+    ...   _, state = tx.update({'w': jnp.ones(2)}, state, params, weight=n, value=loss)
+    >>> m = optax_accum.metrics(state)
+    >>> bool(m.updated), int(m.num_updates), int(m.mini_step), int(m.num_microbatches)
+    (True, 1, 0, 2)
+    >>> float(m.window_loss), round(float(m.grad_norm), 4)  # (3*1 + 1*3) / 4; |(1, 1)|
+    (1.5, 1.4142)
+    >>> bool(m.has_window_loss), bool(m.has_grad_norm)
+    (True, True)
+    >>> float(m.weight_seen), float(m.window_weight)  # 3 + 1, exact past 2**24 too
+    (4.0, 4.0)
+  """
+
+  mini_step: jax.Array
+  num_microbatches: jax.Array
+  num_updates: jax.Array
+  num_skipped: jax.Array
+  pending_weight: jax.Array
+  updated: jax.Array
+  window_loss: jax.Array
+  loss_scale: jax.Array
+  grad_norm: jax.Array
+  has_window_loss: jax.Array
+  has_grad_norm: jax.Array
+  noise_scale: jax.Array
+  noise_trace: jax.Array
+  noise_signal: jax.Array
+  weight_seen: Any  # a _window_weight.WeightCount
+  window_weight: Any  # a _window_weight.WeightCount
+
+
+def metrics(opt_state: PyTree) -> Metrics:
+  """Accumulation metrics from any optimizer state that contains one ``accumulate``.
+
+  Args:
+    opt_state: the state of :func:`optax_accum.accumulate`, of a chain or other
+      wrapper containing it, or Flax's ``nnx.Optimizer.opt_state``.
+
+  Returns:
+    A :class:`Metrics` of 0-d arrays (works under ``jit``).
+
+  Raises:
+    ValueError: if ``opt_state`` holds no or several accumulation states.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax.chain(optax.clip(1.0), optax_accum.accumulate(optax.adam(1e-3), every_k=4))
+    >>> params = {'w': jnp.zeros(3)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'w': jnp.ones(3)}, state, params, weight=7)
+    >>> m = optax_accum.metrics(state)
+    >>> int(m.mini_step), int(m.num_updates), float(m.pending_weight)
+    (1, 0, 7.0)
+  """
+  pitfalls.check_state(opt_state, AccumulationState)
+  s = find_state(opt_state)
+  noise_scale, noise_trace, noise_signal = _noise_scale.read(
+    s.noise_trace_ema, s.noise_signal_ema, s.noise_ema_weight
+  )
+  return Metrics(
+    mini_step=s.mini_step,
+    num_microbatches=s.num_microbatches,
+    num_updates=s.num_updates,
+    num_skipped=s.num_skipped,
+    pending_weight=s.weight_sum,
+    updated=s.updated,
+    window_loss=s.window_loss,
+    loss_scale=s.loss_scale,
+    grad_norm=s.grad_norm,
+    has_window_loss=s.has_window_loss,
+    has_grad_norm=s.has_grad_norm,
+    noise_scale=noise_scale,
+    noise_trace=noise_trace,
+    noise_signal=noise_signal,
+    weight_seen=s.weight_seen,
+    window_weight=s.window_weight,
+  )
+
+
+def get_loss_scale(opt_state: PyTree) -> jax.Array:
+  """The factor to multiply the loss by for the current window.
+
+  Args:
+    opt_state: any optimizer state containing one :func:`optax_accum.accumulate`.
+
+  Returns:
+    A float32 0-d array: 1.0 without a loss scale. It changes only at window
+    boundaries, so every microbatch of a window uses the same scale.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no or several accumulation states.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1e-2), every_k=2)
+    >>> float(optax_accum.get_loss_scale(tx.init({'w': jnp.zeros(2)})))
+    1.0
+  """
+  return find_state(opt_state).loss_scale

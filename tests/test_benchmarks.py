@@ -30,11 +30,10 @@ def _start(script, out):
 
 @pytest.mark.slow
 def test_quick_benchmarks(tmp_path):
-  micro_out, train_out = tmp_path / "micro.json", tmp_path / "train.json"
-  procs = [_start("microstep.py", micro_out), _start("train_step.py", train_out)]
-  for proc in procs:
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err.decode()[-3000:]
+  """microstep.py --quick (train_step.py --quick runs in tests/test_benchmarks_mesh.py)."""
+  micro_out = tmp_path / "micro.json"
+  _, err = (proc := _start("microstep.py", micro_out)).communicate(timeout=600)
+  assert proc.returncode == 0, err.decode()[-3000:]
 
   micro = json.loads(micro_out.read_text())
   assert micro["benchmark"] == "microstep" and micro["machine"]["jax"]
@@ -65,13 +64,3 @@ def test_quick_benchmarks(tmp_path):
   assert res["ratios"]["temp_minus_plain_in_grad_buffers"] <= 1.01
   assert res["ratios"]["temp_fused_minus_plain_in_grad_buffers"] <= 0.5
   render_tables.render(micro)  # the quick report renders too
-
-  train = json.loads(train_out.read_text())
-  assert train["benchmark"] == "train_step"
-  assert {"physical", "across_step"} <= set(train["variants"])
-  assert "in_step" in train["variants"] or train["skipped"]
-  losses = [v["first_window_loss"] for v in train["variants"].values()]
-  # The same first window from the same params: the same token-weighted loss.
-  assert max(losses) - min(losses) < 1e-2 * abs(losses[0])
-  for v in train["variants"].values():
-    assert v["window_ms"] > 0 and v["temp_bytes"] >= 0

@@ -1,8 +1,9 @@
 """Tests of optax_accum/_buffers.py: the compiled step keeps every buffer in place.
 
 These fail if a JAX upgrade changes how XLA places the zero updates or the
-accumulator reset (docs/design.md): no parameter-sized copy in the compiled
-step, on the default path (tx.update + optax.apply_updates) and the fused one.
+accumulator reset (docs/design.md): nothing parameter-sized computed between
+boundaries on the default path (tx.update + optax.apply_updates), no
+parameter-sized copy outside its boundary branch, none at all on the fused path.
 """
 
 import functools

@@ -24,22 +24,38 @@ def _real_bytes(lines, seq_len):
   return [min(len(line), seq_len + 1) - 1 for line in lines]
 
 
+def _tiny_config(train_lines, **fields):
+  """A one-file, one-block demo whose training split is the first ``train_lines`` lines."""
+  total = len(stdlib_lines(max_files=1))
+  return demo.DemoConfig(
+    seq_len=16, dim=8, depth=1, heads=2, max_files=1, eval_lines=total - train_lines, **fields
+  )
+
+
+def _reference(cfg):
+  """The demo model's initial params and a jitted ``value_and_grad`` of its token loss."""
+  graphdef, params, rest = nnx.split(demo.make_model(cfg), nnx.Param, ...)
+  loss = lambda p, b: token_loss(nnx.merge(graphdef, p, rest), b)
+  return params, jax.jit(jax.value_and_grad(loss))
+
+
+def _physical_sgd(params, value_and_grad, mbs, windows, lr):
+  """Plain SGD with each window as one physical batch of exactly its microbatches."""
+  losses = []
+  for w in windows:
+    batch = {k: np.concatenate([mbs[i][k] for i in w]) for k in mbs[0]}
+    loss, g = value_and_grad(params, batch)
+    params = jax.tree.map(lambda x, y: x - lr * y, params, g)
+    losses.append(loss)
+  return params, losses
+
+
 @pytest.mark.slow  # about 20 s: compiles the demo's step
 def test_train_equals_physical_batches_with_epoch_end_flush():
   # 20 training lines in microbatches of 8: [8, 8, 4 + 4 padding rows]. With every_k=2
   # the windows are [mb0, mb1] and [mb2], the second flushed at the epoch's end.
-  total = len(stdlib_lines(max_files=1))
-  cfg = demo.DemoConfig(
-    microbatch_size=8,
-    every_k=2,
-    tokens_per_update=None,  # windows of every_k microbatches
-    updates=2,
-    seq_len=16,
-    dim=8,
-    depth=1,
-    heads=2,
-    max_files=1,
-    eval_lines=total - 20,
+  cfg = _tiny_config(  # windows of every_k microbatches (no token budget)
+    20, microbatch_size=8, every_k=2, tokens_per_update=None, updates=2
   )
   lr = 0.5
   result = demo.train(cfg, out=None, progress=False, check=False, inner=optax.sgd(lr))
@@ -55,24 +71,14 @@ def test_train_equals_physical_batches_with_epoch_end_flush():
   assert result.tokens == sum(_real_bytes(train_lines, cfg.seq_len))
 
   # Reference: plain SGD on the windows as single physical batches, one jax.grad each.
-  graphdef, params, rest = nnx.split(demo.make_model(cfg), nnx.Param, ...)
-  value_and_grad = jax.jit(
-    jax.value_and_grad(lambda p, b: token_loss(nnx.merge(graphdef, p, rest), b))
-  )
-
-  def concat(*batches):
-    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+  params, value_and_grad = _reference(cfg)
+  expected, losses = _physical_sgd(params, value_and_grad, mbs, [[0, 1], [2]], lr)
+  trained = nnx.state(result.model, nnx.Param)
+  chex.assert_trees_all_close(trained, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
 
   def sgd(p, g):
     return jax.tree.map(lambda x, y: x - lr * y, p, g)
-
-  loss1, g1 = value_and_grad(params, concat(mbs[0], mbs[1]))
-  params1 = sgd(params, g1)
-  loss2, g2 = value_and_grad(params1, mbs[2])
-  expected = sgd(params1, g2)
-  trained = nnx.state(result.model, nnx.Param)
-  chex.assert_trees_all_close(trained, expected, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(result.losses, [loss1, loss2], rtol=1e-5)
 
   # The test can tell: the mean of the two microbatch means gives other params.
   g_mom = jax.tree.map(
@@ -101,19 +107,7 @@ def test_token_budget_windows_equal_physical_batches_of_their_microbatches():
   # 28 training lines in 7 microbatches of 4 holding [52, 62, 50, 62, 64, 64, 63] real bytes.
   # A budget of 115 closes windows of 3, 2 and 2 microbatches (164, 126 and 127 bytes);
   # every_k=1 would close 7.
-  total = len(stdlib_lines(max_files=1))
-  cfg = demo.DemoConfig(
-    microbatch_size=4,
-    every_k=1,
-    tokens_per_update=115,
-    updates=3,
-    seq_len=16,
-    dim=8,
-    depth=1,
-    heads=2,
-    max_files=1,
-    eval_lines=total - 28,
-  )
+  cfg = _tiny_config(28, microbatch_size=4, every_k=1, tokens_per_update=115, updates=3)
   lr = 0.5
   result = demo.train(cfg, out=None, progress=False, check=False, inner=optax.sgd(lr))
 
@@ -127,16 +121,7 @@ def test_token_budget_windows_equal_physical_batches_of_their_microbatches():
   assert result.metrics["weight_seen"] == sum(counts) == result.tokens
 
   # Reference: plain SGD on each window as one physical batch of exactly its microbatches.
-  graphdef, params, rest = nnx.split(demo.make_model(cfg), nnx.Param, ...)
-  value_and_grad = jax.jit(
-    jax.value_and_grad(lambda p, b: token_loss(nnx.merge(graphdef, p, rest), b))
-  )
-  losses = []
-  for w in windows:
-    batch = {k: np.concatenate([mbs[i][k] for i in w]) for k in mbs[0]}
-    loss, g = value_and_grad(params, batch)
-    params = jax.tree.map(lambda x, y: x - lr * y, params, g)
-    losses.append(loss)
+  params, losses = _physical_sgd(*_reference(cfg), mbs, windows, lr)
   chex.assert_trees_all_close(nnx.state(result.model, nnx.Param), params, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
 

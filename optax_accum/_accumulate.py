@@ -354,9 +354,7 @@ def _step(config, grads, state, params, *, fused, weight=1, flush=False, value=N
     acc, inner_state = operands
     # Params pass through untouched (the fused path); the zero updates are
     # selected after the cond (below), except where acc cannot hold them.
-    out = (
-      params if fused else _boundary.own_buffers(_buffers.distinct_zeros(like.out, boundary), fits)
-    )
+    out = params if fused else _boundary.own_zeros(like.out, fits, boundary)
     # Built from the state's own fields: zeros_like keeps their device variance,
     # so both cond branches agree under shard_map(check_vma=True).
     unchanged = {f: getattr(state, f) for f in _boundary.Closed._fields[1:]}

@@ -117,7 +117,7 @@ def close(config, state, acc, window, inner_state, params, like, fits, value, ex
       return params, None, inner_state, jnp.zeros_like(apply)
     # A skipped window's sum is zeroed: nothing of it stays in the state. (This write
     # makes XLA copy the updates into the accumulator at every boundary, one pass.)
-    out = own_buffers(_buffers.distinct_zeros(like.out, apply), fits)
+    out = own_zeros(like.out, fits, apply)
     return out, _buffers.distinct_zeros(acc, apply), inner_state, jnp.zeros_like(apply)
 
   out, acc_out, inner_state, ok = jax.lax.cond(apply, run_inner, keep_inner, (acc, inner_state))
@@ -171,6 +171,11 @@ def stash_fits(like_out: PyTree, acc: PyTree) -> PyTree:
 def own_buffers(updates: PyTree, fits: PyTree) -> PyTree:
   """The update leaves that travel in a buffer of their own (None where acc holds them)."""
   return jax.tree.map(lambda f, u: None if f else u, fits, updates)
+
+
+def own_zeros(like_out: PyTree, fits: PyTree, flag: jax.Array) -> PyTree:
+  """Exact zero updates for the leaves with a buffer of their own (None where acc holds them)."""
+  return own_buffers(_buffers.distinct_zeros(like_out, flag), fits)
 
 
 def unstash(own: PyTree, acc: PyTree, fits: PyTree, like: PyTree, updated: jax.Array) -> PyTree:

@@ -10,22 +10,22 @@ checkpoints), :mod:`optax_accum.testing` (pre-flight checks and test tools),
 
 from typing import Any
 
-from optax_accum import _deprecated
 from optax_accum import sharding as sharding
-from optax_accum._accumulate import accumulate
+from optax_accum._accumulate import Accumulation, accumulate
+from optax_accum._actions import discard, flush, update_and_apply
 from optax_accum._loss_scale import dynamic_loss_scale, static_loss_scale
 from optax_accum._metrics import Metrics, get_loss_scale, metrics
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
 from optax_accum._scaled_grad import scaled_value_and_grad
-from optax_accum._state import AccumulationState, discard, flush
-from optax_accum._train_step import update_and_apply
+from optax_accum._state import AccumulationState
 from optax_accum._window_weight import sqrt_scaled_schedule
 from optax_accum.planning import plan_microbatch
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 __all__ = [
+  "Accumulation",
   "AccumulationState",
   "Metrics",
   "accumulate",
@@ -45,11 +45,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-  """``optax_accum.testing`` on first use (PEP 562), and the deprecated old names."""
+  """``optax_accum.testing`` on first use (PEP 562)."""
   if name == "testing":
     import importlib
 
     return importlib.import_module("optax_accum.testing")
-  if name in _deprecated.MOVED:
-    return _deprecated.lookup(name)
   raise AttributeError(f"module 'optax_accum' has no attribute {name!r}")

@@ -19,24 +19,30 @@ behaviour (docs/design.md lists them):
   full copy per extra leaf. Zeros computed from a traced flag, with a different
   constant per leaf, stay distinct. Caught by ``tests/test_buffers.py`` (no
   parameter-sized copy in the compiled step).
-* :func:`open_window` and :func:`stash` let the accumulator's buffer serve
-  twice (the lazy reset): at an applied boundary the inner optimizer's updates
-  are written into the accumulator's buffer (:func:`stash`; they are returned
-  from there), and the window's sum is not zeroed; the next microbatch reads
-  the buffer as zeros because ``mini_step == 0`` (:func:`open_window`, fused
-  into the pass that adds it). So no microstep writes a separate buffer of
-  zero updates (a gradient-sized temporary that XLA:CPU allocates, and the
-  kernel page-faults in, on every call) and no boundary writes zeros. Caught by
-  ``tests/test_buffers.py`` (no gradient-sized temporary at all on the default
-  optax path).
+* :class:`UpdatesOut` and :class:`ParamsOut` are the two placements of a
+  step's output, one per :class:`Output` mode. ``Output.UPDATES``
+  (``tx.update``) lets the accumulator's buffer serve twice (the lazy reset):
+  at an applied boundary the inner optimizer's updates are written into it and
+  returned from there, and the window's sum is not zeroed; the next microbatch
+  reads the buffer as zeros because ``mini_step == 0``
+  (``AccumulationState.window_sum``, fused into the pass that adds it). So no
+  microstep writes a separate buffer of zero updates (a gradient-sized
+  temporary that XLA:CPU allocates, and the kernel page-faults in, on every
+  call). ``Output.PARAMS`` (:func:`optax_accum.update_and_apply`) returns the
+  params, untouched between boundaries and written by the inner optimizer's
+  last pass at one. Caught by ``tests/test_buffers.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
+
+from optax_accum._vma import varying
 
 PyTree = Any
 
@@ -97,24 +103,6 @@ def read_token(tree: PyTree) -> jax.Array:
   return jnp.any(leaves[0] == 0)
 
 
-def open_window(acc: PyTree, mini_step: jax.Array) -> PyTree:
-  """The open window's weighted sum: ``acc``, read as zeros while the window is empty.
-
-  An empty window (``mini_step == 0``: after ``init``, a boundary or
-  ``discard``) may hold scratch in ``acc`` (the last window's updates, see
-  :func:`stash`); it is selected away, never multiplied.
-
-  Args:
-    acc: the accumulator tree.
-    mini_step: int32 0-d array, microbatches in the open window.
-
-  Returns:
-    A tree like ``acc``.
-  """
-  empty = mini_step == 0
-  return jax.tree.map(lambda a: jnp.where(empty, jnp.zeros((), a.dtype), a), acc)
-
-
 def stash_fits(updates: PyTree, acc: PyTree) -> PyTree:
   """Per leaf, whether an update of that dtype is held exactly in the accumulator's dtype.
 
@@ -142,9 +130,102 @@ def stash_fits(updates: PyTree, acc: PyTree) -> PyTree:
     fu, fa = jnp.finfo(u.dtype), jnp.finfo(a.dtype)  # every u value is an a value
     return fa.nmant >= fu.nmant and fa.maxexp >= fu.maxexp and fa.minexp <= fu.minexp
 
-  return jax.tree.map(holds, updates, acc)
+  # Under shard_map with axis_name the accumulator is per device and the updates are
+  # replicated: such leaves get a buffer of their own too.
+  same = lambda u, a: holds(u, a) and varying(u) == varying(a)
+  return jax.tree.map(same, updates, acc)
 
 
 def stash(updates: PyTree, acc: PyTree, fits: PyTree) -> PyTree:
   """``updates`` in the accumulator's dtype where they fit, else ``acc`` unchanged (scratch)."""
   return jax.tree.map(lambda f, u, a: u.astype(a.dtype) if f else a, fits, updates, acc)
+
+
+class Output(enum.Enum):
+  """What a step returns: the updates (``tx.update``) or the new params (``update_and_apply``)."""
+
+  UPDATES = "updates"
+  PARAMS = "params"
+
+
+def placement(output: Output, like_updates: PyTree, grad_sum: PyTree) -> UpdatesOut | ParamsOut:
+  """The placement of ``output``'s mode for a step with these update dtypes and accumulator."""
+  if output is Output.PARAMS:
+    return ParamsOut()
+  return UpdatesOut(stash_fits(like_updates, grad_sum), like_updates)
+
+
+def _own(updates: PyTree, fits: PyTree) -> PyTree:
+  """The update leaves that travel in a buffer of their own (None where ``grad_sum`` holds them)."""
+  return jax.tree.map(lambda f, u: None if f else u, fits, updates)
+
+
+class UpdatesOut(NamedTuple):
+  """``Output.UPDATES``: the boundary's updates leave in the accumulator's buffer (lazy reset).
+
+  Attributes:
+    fits: per update leaf, whether the accumulator's buffer holds it (:func:`stash_fits`).
+    like: the updates' shapes and dtypes (the zeros between boundaries).
+  """
+
+  fits: PyTree
+  like: PyTree
+
+  def between(self, params: PyTree, boundary: jax.Array) -> PyTree:
+    """The non-boundary output: exact zeros for the leaves with a buffer of their own."""
+    del params
+    return _own(distinct_zeros(self.like, boundary), self.fits)
+
+  def applied(self, updates: PyTree, params: PyTree, grad_sum: PyTree) -> tuple[PyTree, PyTree]:
+    """The applied boundary's ``(output, accumulator)``: the window's sum is dead now."""
+    del params
+    return _own(updates, self.fits), stash(updates, grad_sum, self.fits)
+
+  def skipped(self, params: PyTree, grad_sum: PyTree, flag: jax.Array) -> tuple[PyTree, PyTree]:
+    """A skipped or empty window: zeros out, and zeros in the accumulator (nothing stays)."""
+    return self.between(params, flag), distinct_zeros(grad_sum, flag)
+
+  def after_inner(self, before: PyTree, after: PyTree, inner_state: PyTree, out: PyTree) -> PyTree:
+    """The accumulator after the inner optimizer's cond: as that cond left it (``after``)."""
+    del before, inner_state, out
+    return after
+
+  def result(self, out: PyTree, grad_sum: PyTree, updated: jax.Array) -> PyTree:
+    """The updates: read from the accumulator (selected by ``updated``) or their own buffer."""
+
+    def leaf(f, o, a, u):
+      return jnp.where(updated, a.astype(u.dtype), jnp.zeros((), u.dtype)) if f else o
+
+    return jax.tree.map(leaf, self.fits, out, grad_sum, self.like, is_leaf=lambda x: x is None)
+
+
+class ParamsOut(NamedTuple):
+  """``Output.PARAMS``: the params are the output; the accumulator is reset with zeros."""
+
+  def between(self, params: PyTree, boundary: jax.Array) -> PyTree:
+    """The non-boundary output: the params, untouched in their (donated) buffer."""
+    del boundary
+    return params
+
+  def applied(self, updates: PyTree, params: PyTree, grad_sum: PyTree) -> tuple[PyTree, None]:
+    """``params + updates``, written by the inner optimizer's last pass."""
+    del grad_sum
+    return optax.apply_updates(params, updates), None
+
+  def skipped(self, params: PyTree, grad_sum: PyTree, flag: jax.Array) -> tuple[PyTree, None]:
+    """A skipped or empty window: the params unchanged."""
+    del grad_sum, flag
+    return params, None
+
+  def after_inner(self, before: PyTree, after: None, inner_state: PyTree, out: PyTree) -> PyTree:
+    """Zeros written into the accumulator's buffer (``before``) once the inner optimizer read it.
+
+    They wait for a token read from its output, so XLA reuses the buffer.
+    """
+    del after
+    return distinct_zeros(before, read_token((inner_state, out)))
+
+  def result(self, out: PyTree, grad_sum: PyTree, updated: jax.Array) -> PyTree:
+    """The new params, as the cond returned them."""
+    del grad_sum, updated
+    return out

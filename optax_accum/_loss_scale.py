@@ -2,19 +2,19 @@
 
 A loss scale is configuration (it lives in the closure of
 :func:`optax_accum.accumulate`, so it survives ``jit``); the current scale and
-the streak of applied windows live in :class:`optax_accum.AccumulationState`.
+the streak of applied windows live in the state's own sub-state,
+:class:`LossScaleState` (``optax.EmptyState()`` without a loss scale).
 The rule follows PyTorch's ``torch.amp.GradScaler`` (same names and defaults,
 see https://pytorch.org/docs/stable/amp.html#gradient-scaling), with two
 differences: the growth interval counts applied *windows* (not calls), and the
 scale has a floor and a ceiling (PyTorch has neither, so its scale can grow to
 ``inf`` and then skip every window).
-
-See docs/design.md for the module map.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ class StaticLossScale:
   value: float
 
   def __post_init__(self):
-    value = _checks.number("static_loss_scale", "value", self.value)
+    value = _checks.real_number(self.value, "static_loss_scale: value", "the loss scale")
     _checks.require(
       "static_loss_scale",
       [(0 < value <= _FLOAT32_MAX, f"value must be > 0 and finite in float32, got {value}")],
@@ -125,7 +125,7 @@ class DynamicLossScale:
     owner = "dynamic_loss_scale"
     names = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
     names += ("min_scale", "max_scale")
-    v = {n: _checks.number(owner, n, getattr(self, n)) for n in names}
+    v = {n: _checks.real_number(getattr(self, n), f"{owner}: {n}", "a setting") for n in names}
     finite = _FLOAT32_MAX  # the scale is stored in float32
     _checks.require(
       owner,
@@ -192,6 +192,50 @@ class DynamicLossScale:
 
 
 LossScale = StaticLossScale | DynamicLossScale
+
+
+class LossScaleState(NamedTuple):
+  """The loss scale's sub-state of :class:`optax_accum.AccumulationState`.
+
+  Attributes:
+    scale: float32, the factor to multiply the loss by in the open window.
+    growth_streak: int32, applied windows since the scale last changed (0 for
+      a static scale).
+    dynamic: bool, whether the configuration is a dynamic loss scale (a
+      fingerprint: a restored state must have been made with the same kind).
+  """
+
+  scale: jax.Array
+  growth_streak: jax.Array
+  dynamic: jax.Array
+
+
+def check_policy(loss_scale: object) -> LossScale | None:
+  """``accumulate``'s ``loss_scale`` argument: None or one of the two policies, nothing else."""
+  if loss_scale is None or isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+    return loss_scale
+  raise TypeError(
+    "loss_scale must be None, optax_accum.static_loss_scale(...) or "
+    f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
+  )
+
+
+def init_state(policy: LossScale) -> LossScaleState:
+  """The sub-state of a fresh window under ``policy``."""
+  return LossScaleState(
+    scale=jnp.asarray(policy.initial_scale(), jnp.float32),
+    growth_streak=jnp.zeros((), jnp.int32),
+    dynamic=jnp.asarray(isinstance(policy, DynamicLossScale)),
+  )
+
+
+def close(policy: LossScale, state: LossScaleState, finite: jax.Array, empty: jax.Array):
+  """The sub-state after a window boundary: ``policy.adjust`` unless the window was empty."""
+  scale, streak = policy.adjust(state.scale, state.growth_streak, finite)
+  return state._replace(
+    scale=jnp.where(empty, state.scale, scale),
+    growth_streak=jnp.where(empty, state.growth_streak, streak),
+  )
 
 
 def static_loss_scale(value: float) -> StaticLossScale:

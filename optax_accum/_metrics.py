@@ -1,7 +1,8 @@
 """What to log about accumulation: :class:`Metrics`, :func:`metrics`, :func:`get_loss_scale`.
 
 Read from any optimizer state that contains one ``accumulate`` state (found by
-``_state.find_state``); everything works under ``jit``. See docs/design.md.
+``_state.find_state``); everything works under ``jit``. A getter: it never
+warns (the pitfall checks run where the transformation is used).
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import optax
 
-from optax_accum import _noise_scale, pitfalls
-from optax_accum._state import AccumulationState, find_state
+from optax_accum import _noise_scale
+from optax_accum._state import find_state
 
 PyTree = Any
 
@@ -31,7 +34,8 @@ class Metrics(NamedTuple):
       a finite one (0.0 when there is none: read ``has_window_loss``).
     has_window_loss: bool, False while there is no window loss to log (no
       window with ``value`` has closed, or the last one's mean was NaN/Inf).
-    loss_scale: float32, the loss scale for the current window (1.0 unscaled).
+    loss_scale: float32, the loss scale for the current window (1.0 without
+      ``accumulate(..., loss_scale=...)``).
     grad_norm: float, pre-clip global norm of the last closed window's mean
       gradient (0.0 before the first window closes; the last finite norm after
       a skipped window: read ``has_grad_norm``).
@@ -42,21 +46,22 @@ class Metrics(NamedTuple):
       noise scale (McCandlish et al. 2018) in the units of ``weight`` (examples
       or tokens): the critical batch size's simple estimate. 0 until a window
       with at least two nonzero-weight microbatches closes, while
-      ``noise_signal <= 0``, and without ``accumulate(..., noise_scale_decay=...)``.
+      ``noise_signal <= 0``, and always without ``accumulate(..., noise_scale_decay=...)``.
       docs/noise_scale.md.
     noise_trace: float, the bias-corrected EMA of ``S_est``, the estimate of
       ``tr(Sigma)`` (per-example gradient covariance; squared gradient units
       times the unit of ``weight``). 0 as ``noise_scale``.
     noise_signal: float, the bias-corrected EMA of ``G2_est``, the estimate of
       ``|G|^2`` (squared gradient units). 0 as ``noise_scale``.
-    weight_seen: a ``WeightCount`` (a pytree of three 0-d arrays; see
-      :class:`AccumulationState`), the exact weight (tokens, examples) of every
-      window closed since init: the position a token schedule or a data loader
-      resumes from at a boundary. ``float(m.weight_seen)`` / ``int(...)`` read
-      it exactly outside ``jit``; ``m.weight_seen.approx()`` is a rounded float
-      array under ``jit``.
-    window_weight: a ``WeightCount``, the weight of the last closed non-empty
-      window (the effective batch of the last update, in tokens or examples).
+    weight_seen: with ``accumulate(..., window_weight=...)``, a ``WeightCount``
+      (a pytree of three 0-d arrays), the exact weight (tokens, examples) of
+      every window closed since init: the position a token schedule or a data
+      loader resumes from at a boundary. ``float(m.weight_seen)`` /
+      ``int(...)`` read it exactly outside ``jit``; ``m.weight_seen.approx()``
+      is a rounded float array under ``jit``. None without a token budget.
+    window_weight: with a token budget, a ``WeightCount``, the weight of the
+      last closed non-empty window (the effective batch of the last update, in
+      tokens or examples); None without one.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -72,8 +77,8 @@ class Metrics(NamedTuple):
     (1.5, 1.4142)
     >>> bool(m.has_window_loss), bool(m.has_grad_norm)
     (True, True)
-    >>> float(m.weight_seen), float(m.window_weight)  # 3 + 1, exact past 2**24 too
-    (4.0, 4.0)
+    >>> m.weight_seen is None  # counted with a token budget (window_weight=...)
+    True
   """
 
   mini_step: jax.Array
@@ -90,8 +95,8 @@ class Metrics(NamedTuple):
   noise_scale: jax.Array
   noise_trace: jax.Array
   noise_signal: jax.Array
-  weight_seen: Any  # a _window_weight.WeightCount
-  window_weight: Any  # a _window_weight.WeightCount
+  weight_seen: Any  # a WeightCount, or None without a token budget
+  window_weight: Any  # a WeightCount, or None without a token budget
 
 
 def metrics(opt_state: PyTree) -> Metrics:
@@ -117,29 +122,36 @@ def metrics(opt_state: PyTree) -> Metrics:
     >>> int(m.mini_step), int(m.num_updates), float(m.pending_weight)
     (1, 0, 7.0)
   """
-  pitfalls.check_state(opt_state, AccumulationState)
   s = find_state(opt_state)
-  noise_scale, noise_trace, noise_signal = _noise_scale.read(
-    s.noise_trace_ema, s.noise_signal_ema, s.noise_ema_weight
-  )
+  if isinstance(s.noise_scale, optax.EmptyState):
+    noise_scale = noise_trace = noise_signal = jnp.zeros_like(s.grad_norm)
+  else:
+    noise_scale, noise_trace, noise_signal = _noise_scale.read(*s.noise_scale)
+  budget = None if isinstance(s.token_budget, optax.EmptyState) else s.token_budget
   return Metrics(
     mini_step=s.mini_step,
     num_microbatches=s.num_microbatches,
     num_updates=s.num_updates,
     num_skipped=s.num_skipped,
-    pending_weight=s.weight_sum,
+    pending_weight=s.window.weight_sum,
     updated=s.updated,
     window_loss=s.window_loss,
-    loss_scale=s.loss_scale,
+    loss_scale=_loss_scale_of(s),
     grad_norm=s.grad_norm,
     has_window_loss=s.has_window_loss,
     has_grad_norm=s.has_grad_norm,
     noise_scale=noise_scale,
     noise_trace=noise_trace,
     noise_signal=noise_signal,
-    weight_seen=s.weight_seen,
-    window_weight=s.window_weight,
+    weight_seen=None if budget is None else budget.weight_seen,
+    window_weight=None if budget is None else budget.window_weight,
   )
+
+
+def _loss_scale_of(s) -> jax.Array:
+  if isinstance(s.loss_scale, optax.EmptyState):
+    return jnp.ones((), jnp.float32)
+  return s.loss_scale.scale
 
 
 def get_loss_scale(opt_state: PyTree) -> jax.Array:
@@ -161,4 +173,4 @@ def get_loss_scale(opt_state: PyTree) -> jax.Array:
     >>> float(optax_accum.get_loss_scale(tx.init({'w': jnp.zeros(2)})))
     1.0
   """
-  return find_state(opt_state).loss_scale
+  return _loss_scale_of(find_state(opt_state))

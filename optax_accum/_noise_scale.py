@@ -32,14 +32,52 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _numerics
+from optax_accum import _checks, _numerics
 
 PyTree = Any
 
-# The state's fields that hold the open window's noise sums (see _state.WINDOW_FIELDS),
-# and its EMA fields (changed at boundaries only).
-WINDOW = ("noise_sq_sum", "noise_samples")
-EMA = ("noise_trace_ema", "noise_signal_ema", "noise_ema_weight")
+
+class NoiseScaleState(NamedTuple):
+  """The noise scale's sub-state of :class:`optax_accum.AccumulationState` (changed at boundaries).
+
+  The open window's sums ``(sum_k n_k |g_k|^2, K)`` are in ``state.window.noise``.
+
+  Attributes:
+    trace_ema: float, the EMA numerator of ``S_est`` (the estimate of ``tr(Sigma)``).
+    signal_ema: float, the EMA numerator of ``G2_est`` (the estimate of ``|G|^2``).
+    ema_weight: float, the bias-correction weight ``1 - decay**t`` after ``t``
+      windows that counted: 0 means "no estimate yet".
+  """
+
+  trace_ema: jax.Array
+  signal_ema: jax.Array
+  ema_weight: jax.Array
+
+
+def check_decay(decay: Any) -> float | None:
+  """``accumulate``'s ``noise_scale_decay``: None (off) or a float in [0, 1)."""
+  if decay is None:
+    return None
+  meaning = "the EMA decay per window, e.g. 0.9; None for no noise scale"
+  value = _checks.real_number(decay, "noise_scale_decay", meaning)
+  if not 0 <= value < 1:
+    raise ValueError(
+      f"noise_scale_decay must be in [0, 1) (the EMA decay per window; 0 keeps only the last "
+      f"window, 0.9 averages about 10 windows), got {decay}. Pass None to turn it off."
+    )
+  return value
+
+
+def init_state() -> NoiseScaleState:
+  """A fresh sub-state: no estimate yet (fresh buffers each, for donation)."""
+  zero = lambda: jnp.zeros((), _numerics.scalar_dtype())
+  return NoiseScaleState(zero(), zero(), zero())
+
+
+def close(state: NoiseScaleState, sums, weight_sum, norm, loss_scale, decay, ok):
+  """The sub-state after a boundary: the window's estimate folded into the EMAs if ``ok``."""
+  est = estimate(*sums, weight_sum, norm, loss_scale)
+  return NoiseScaleState(*ema_update(tuple(state), est, decay, ok))
 
 
 class NoiseEstimate(NamedTuple):

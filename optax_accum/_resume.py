@@ -7,8 +7,6 @@ configured differently. Orbax casts restored leaves to the target's dtypes
 without a word, and a different ``every_k`` would close the restored window at
 the wrong length. :func:`check_compatible` compares a restored state, or a
 checkpoint's metadata, with ``tx.init(params)`` and says what differs.
-
-See docs/design.md for the module map.
 """
 
 from __future__ import annotations
@@ -21,7 +19,15 @@ import numpy as np
 import optax
 
 from optax_accum._sharding import state_shardings
-from optax_accum._state import find_states, map_states, map_window
+from optax_accum._state import (
+  Fingerprint,
+  find_states,
+  fingerprint_of,
+  fingerprint_problems,
+  map_states,
+  map_window,
+  raise_on_problems,
+)
 
 PyTree = Any
 
@@ -55,7 +61,7 @@ def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> params = jax.device_put({'w': jnp.zeros(8)}, NamedSharding(mesh, P('data')))
     >>> tx = optax_accum.accumulate(optax.sgd(1.), 2)
     >>> target = optax_accum.sharding.abstract_state(tx, params)
-    >>> target.acc['w'].sharding.spec
+    >>> target.window.grad_sum['w'].sharding.spec
     P('data',)
   """
   return jax.tree.map(
@@ -81,41 +87,34 @@ def _leaves_by_path(tree: PyTree) -> dict[str, Any]:
   return out
 
 
-_SCALE_KINDS = ("none", "static_loss_scale", "dynamic_loss_scale")
-
-
-def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[tuple[int, int, float]]:
-  """``(every_k, loss_scale_kind, loss_scale)`` of each state ``tx.init`` writes.
-
-  Computed without materializing the state.
-  """
+def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[Fingerprint]:
+  """The fingerprint of each state ``tx.init`` writes, computed without materializing it."""
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
 
-  def fps():
+  def fields():
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    return [(s.every_k, s.loss_scale_kind, s.loss_scale) for s in find_states(tx.init(zeros))]
+    return [(s.every_k, s.loss_scale) for s in find_states(tx.init(zeros))]
 
-  return [(int(k), int(kind), float(scale)) for k, kind, scale in jax.jit(fps)()]
+  return [fingerprint_of(k, ls) for k, ls in jax.jit(fields)()]
 
 
-def _scale_problems(restored: list, expected: list) -> list[str]:
-  """What differs in the loss-scale configuration (kind; a static or absent scale's value)."""
-  problems = []
-  for i, ((_, kind, scale), (_, want_kind, want_scale)) in enumerate(
-    zip(restored, expected, strict=True)
-  ):
-    name = lambda k: _SCALE_KINDS[k] if 0 <= k < len(_SCALE_KINDS) else f"unknown ({k})"
-    where = f"accumulate state {i}: " if len(expected) > 1 else ""
-    if kind != want_kind:
-      problems.append(
-        f"{where}loss_scale={name(kind)} in the checkpoint, {name(want_kind)} in this "
-        "transformation"
-      )
-    elif want_kind != 2 and scale != want_scale:  # none (1.0) or static: the value is config
-      problems.append(
-        f"{where}loss scale {scale} in the checkpoint, {want_scale} in this transformation"
-      )
-  return problems
+# Leaves only the previous release's flat state had (optax_accum 0.2).
+_OLD_LAYOUT = ("loss_scale_kind", "window_weight_parts", "noise_sq_sum")
+
+
+def _check_layout(got: dict[str, Any]) -> None:
+  """Raises for a checkpoint of the previous release's flat state, naming the change."""
+  old = sorted(p for p in got if p.rsplit(".", 1)[-1] in _OLD_LAYOUT)
+  if old:
+    raise ValueError(
+      f"The restored optimizer state was written by optax_accum 0.2 (its flat "
+      f"AccumulationState has {old[0]}). Since 0.3 the state is nested: the open window in "
+      "state.window (acc is window.grad_sum), and each optional feature in its own sub-state "
+      "(loss_scale, token_budget, noise_scale; optax.EmptyState() when off), so the leaves "
+      "do not map one to one. Finish the window with optax_accum 0.2 (optax_accum.flush) "
+      "and save the params, or resume with 0.2; then start a fresh state with "
+      "tx.init(params)."
+    )
 
 
 def check_compatible(
@@ -155,7 +154,8 @@ def check_compatible(
 
   Raises:
     ValueError: listing every differing leaf, or the fingerprints (``every_k``,
-      loss scale), with what to do.
+      loss scale), with what to do; for a checkpoint of optax_accum 0.2's flat
+      state, naming the change to the nested one.
 
   Examples:
     >>> import optax, optax_accum
@@ -165,13 +165,14 @@ def check_compatible(
     >>> optax_accum.sharding.check_compatible(tx, params, saved)
     Traceback (most recent call last):
     ...
-    ValueError: The restored optimizer state was written with every_k=4 (-1 means a schedule,
-    0 none: windows closed by window_weight alone) but this transformation has every_k=8. ...
+    ValueError: The restored optimizer state was made by another accumulate configuration:
+    the state has every_k=4, the transformation every_k=8. ...
   """
   expected = jax.eval_shape(tx.init, params)
   if stacked:
     expected = _stacked_shapes(expected)
   want, got = _leaves_by_path(expected), _leaves_by_path(state)
+  _check_layout(got)
   problems = []
   for path in sorted(want.keys() - got.keys()):
     problems.append(f"  {path}: missing from the restored state")
@@ -196,34 +197,16 @@ def check_compatible(
       "optimizer, accumulator_dtype and param dtypes), or start a fresh optimizer state "
       "with tx.init(params) and keep only the params."
     )
-  found = find_states(state)
-  restored = [(s.every_k, s.loss_scale_kind, s.loss_scale) for s in found]
-  if restored and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(restored)):
-    restored = [
-      (int(np.asarray(k)), int(np.asarray(c)), float(np.asarray(v))) for k, c, v in restored
-    ]
+  restored = [fingerprint_of(s.every_k, s.loss_scale) for s in find_states(state)]
+  if restored and None not in restored:
     expected_fp = _fingerprints(tx, params)
-    restored_k, expected_k = [r[0] for r in restored], [e[0] for e in expected_fp]
-    if restored_k != expected_k:
-      show = lambda fp: fp[0] if len(fp) == 1 else fp
-      raise ValueError(
-        f"The restored optimizer state was written with every_k={show(restored_k)} (-1 "
-        f"means a schedule, 0 none: windows closed by window_weight alone) but this "
-        f"transformation has every_k={show(expected_k)}. Its "
-        "open window would close at the wrong length and mix windows. Resume with the same "
-        "every_k, or finish the window with the old configuration (optax_accum.flush) and "
-        "start a fresh state with tx.init(params)."
-      )
-    problems = _scale_problems(restored, expected_fp)
-    if problems:
-      raise ValueError(
-        "The restored optimizer state was written with another loss-scale configuration:\n  "
-        + "\n  ".join(problems)
-        + "\nEvery window mean would be divided by the wrong scale. Resume with the same "
-        "loss_scale (static_loss_scale / dynamic_loss_scale and, for a static one, the same "
-        "value), or finish the window with the old configuration (optax_accum.flush) and "
-        "start a fresh state with tx.init(params)."
-      )
+    where = lambda i: f"accumulate state {i}: " if len(expected_fp) > 1 else ""
+    problems = [
+      where(i) + p
+      for i, (got_fp, want_fp) in enumerate(zip(restored, expected_fp, strict=True))
+      for p in fingerprint_problems(got_fp, want_fp)
+    ]
+    raise_on_problems(problems, "The restored optimizer state")
   return state
 
 

@@ -11,14 +11,12 @@ Two ways to scale :func:`optax_accum.accumulate` out over a device mesh:
   gradient on every microstep.
 * ``jax.shard_map`` with ``accumulate(..., axis_name=...)``: each device keeps
   its own window sums and communicates once per window. The window sums
-  (``acc``, ``weight_sum``, ``value_sum``, ``value_weight``, ``window_weight_parts``) differ between
-  devices, so between jitted calls they live on a leading device axis sharded
-  over the mesh axis (:func:`stack_windows`, :func:`window_specs`); inside the
+  (``state.window``: every leaf of the open window) differ between devices,
+  so between jitted calls they live on a leading device axis sharded over the
+  mesh axis (:func:`stack_windows`, :func:`window_specs`); inside the
   ``shard_map`` body :func:`local_state` and :func:`stacked_state` drop and
   restore that axis. Everything else in the state is identical on every device
   and is replicated.
-
-See docs/design.md for the module map.
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> params = jax.device_put({'w': jnp.zeros((8, 2))}, NamedSharding(mesh, P('data')))
     >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
     >>> sh = optax_accum.sharding.state_shardings(tx, params)
-    >>> sh.acc['w'].spec, sh.inner_state[0].mu['w'].spec, sh.mini_step.spec
+    >>> sh.window.grad_sum['w'].spec, sh.inner_state[0].mu['w'].spec, sh.mini_step.spec
     (P('data',), P('data',), P())
   """
   p_leaves, p_def = jax.tree.flatten(params)
@@ -141,7 +139,7 @@ def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> params = jax.device_put({'w': jnp.zeros((8, 4))}, NamedSharding(mesh, P('data')))
     >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
     >>> state = optax_accum.sharding.init_sharded(tx, params)
-    >>> state.acc['w'].sharding == params['w'].sharding
+    >>> state.window.grad_sum['w'].sharding == params['w'].sharding
     True
   """
   return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
@@ -151,10 +149,9 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   """``PartitionSpec``s for an optimizer state passed through ``jax.shard_map``.
 
   Use them as the state's entry of ``in_specs`` and ``out_specs``. The window
-  sums of every :class:`AccumulationState` (``acc``, ``weight_sum``,
-  ``value_sum``, ``value_weight``, ``window_weight_parts``) are per device:
-  ``P(axis_name)`` on their leading device axis (see :func:`stack_windows`). Every other leaf is the
-  same on every device: ``P()``.
+  sums of every :class:`AccumulationState` (every leaf of ``state.window``)
+  are per device: ``P(axis_name)`` on their leading device axis (see
+  :func:`stack_windows`). Every other leaf is the same on every device: ``P()``.
 
   Args:
     opt_state: the optimizer state (or its ``jax.eval_shape``), with or
@@ -170,16 +167,13 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     >>> import optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
     >>> specs = optax_accum.sharding.window_specs(tx.init({'w': jnp.zeros(3)}), 'data')
-    >>> specs.acc['w'], specs.weight_sum, specs.num_updates
+    >>> specs.window.grad_sum['w'], specs.window.weight_sum, specs.num_updates
     (P('data',), P('data',), P())
   """
-  per_device = PartitionSpec(axis_name)
-  replicated = PartitionSpec()
-  return map_states(
-    lambda s: map_window(lambda _: per_device, s, lambda _: replicated),
-    opt_state,
-    lambda _: replicated,
-  )
+  per_device, replicated = PartitionSpec(axis_name), PartitionSpec()
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  specs = map_states(lambda s: map_window(lambda _: per_device, s), opt_state)
+  return jax.tree.map(lambda x: x if is_spec(x) else replicated, specs, is_leaf=is_spec)
 
 
 def stack_windows(
@@ -214,7 +208,7 @@ def stack_windows(
     >>> mesh = jax.make_mesh((8,), ('data',))
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
     >>> state = optax_accum.sharding.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
-    >>> state.acc['w'].shape, state.weight_sum.shape, state.mini_step.shape
+    >>> state.window.grad_sum['w'].shape, state.window.weight_sum.shape, state.mini_step.shape
     ((8, 3), (8,), ())
   """
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
@@ -263,15 +257,16 @@ def local_state(opt_state: PyTree) -> PyTree:
     >>> import optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
     >>> block = optax_accum.sharding.stacked_state(tx.init({'w': jnp.zeros(3)}))
-    >>> block.acc['w'].shape, optax_accum.sharding.local_state(block).acc['w'].shape
+    >>> local = optax_accum.sharding.local_state(block)
+    >>> block.window.grad_sum['w'].shape, local.window.grad_sum['w'].shape
     ((1, 3), (3,))
   """
 
   def drop(s):
-    if np.ndim(s.weight_sum) != 1:
+    if np.ndim(s.window.weight_sum) != 1:
       raise ValueError(
-        "local_state: the window sums have no device axis (weight_sum has shape "
-        f"{np.shape(s.weight_sum)}, expected [1] inside shard_map). local_state takes the "
+        "local_state: the window sums have no device axis (window.weight_sum has shape "
+        f"{np.shape(s.window.weight_sum)}, expected [1] inside shard_map). local_state takes the "
         "shard_map block of a state laid out by optax_accum.sharding.stack_windows (with "
         "window_specs as in_specs); a state straight from tx.init needs no local_state."
       )
@@ -288,8 +283,7 @@ def stacked_state(opt_state: PyTree) -> PyTree:
   its ``out_specs``.
 
   Args:
-    opt_state: a state whose window sums (``acc``, ``weight_sum``,
-      ``value_sum``, ``value_weight``, ``window_weight_parts``) have their
+    opt_state: a state whose window sums (``state.window``) have their
       per-device shapes ``[*shape]``.
 
   Returns:
@@ -304,10 +298,10 @@ def stacked_state(opt_state: PyTree) -> PyTree:
     >>> state = optax_accum.sharding.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
     >>> specs = optax_accum.sharding.window_specs(state, 'data')
     >>> def body(s):
-    ...   s = optax_accum.sharding.local_state(s)  # acc['w']: [3] on each device
+    ...   s = optax_accum.sharding.local_state(s)  # grad_sum['w']: [3] on each device
     ...   return optax_accum.sharding.stacked_state(s)  # [1, 3] again
     >>> out = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs)(state)
-    >>> out.acc['w'].shape, out.weight_sum.shape  # one block per device
+    >>> out.window.grad_sum['w'].shape, out.window.weight_sum.shape  # one block per device
     ((8, 3), (8,))
   """
   return map_states(lambda s: map_window(lambda x: x[None], s), opt_state)

@@ -1,12 +1,17 @@
-"""The accumulation state and every operation on it: find, map, metrics, discard, flush.
+"""The accumulation state: a core window state and one sub-state per optional feature.
 
 :class:`AccumulationState` is what :func:`optax_accum.accumulate` keeps between
-calls. It is found inside nested optimizer states by its class, never by a
+calls. Its open window is one sub-tree (:class:`Window`: reset at every
+boundary, one device's share under ``axis_name``); each optional feature (a
+loss scale, a token budget, the noise scale) owns a sub-state that is
+``optax.EmptyState()`` when the feature is off, so a plain configuration's
+state reads like ``optax.MultiSteps``' and a checkpoint shows what is on.
+
+The state is found inside nested optimizer states by its class, never by a
 field name (``count``, ``inner_state`` and ``mini_step`` occur in other optax
-states too), through ``optax.chain``, ``optax.masked``,
-``optax.multi_transform``, ``optax.inject_hyperparams`` and Flax's
-``nnx.Optimizer.opt_state`` (whose leaves are ``OptArray`` variables; they are
-unwrapped here without importing flax). See docs/design.md for the module map.
+states too), through ``optax.chain``, ``optax.masked``, ``optax.inject_hyperparams``
+and Flax's ``nnx.Optimizer.opt_state`` (whose leaves are ``OptArray`` variables,
+unwrapped here without importing flax). docs/design.md maps the modules.
 """
 
 from __future__ import annotations
@@ -15,92 +20,73 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
-
-from optax_accum import _buffers, _noise_scale, _numerics
+import numpy as np
 
 PyTree = Any
 
 
-class AccumulationState(NamedTuple):
-  """State of :func:`accumulate`. Every field is an array; scalars are 0-d.
+class Window(NamedTuple):
+  """The open window's sums: what a boundary reduces (one ``psum``) and resets.
 
-  The structure is the same in every configuration (with or without a loss
-  scale, clipping or a schedule), so checkpoints stay compatible. Every float
-  leaf is finite at all times (``jax_debug_nans`` / ``jax_debug_infs`` safe) as
-  long as the gradients fed in are finite; "no value yet" is a boolean flag
-  (``has_window_loss``, ``has_grad_norm``), never NaN.
+  Under ``accumulate(..., axis_name=...)`` each device holds its own share.
 
   Attributes:
-    mini_step: int32, microbatches accumulated in the current window (the
-      window position; 0 right after a boundary).
-    acc: the accumulator, a tree like the params in the accumulator dtype
-      (float32 by default). While a window is open (``mini_step > 0``) it
-      holds the weighted gradient sum ``sum_i w_i * g_i`` (with a loss scale
-      the ``g_i`` are gradients of the *scaled* loss). After a boundary of
-      ``tx.update`` it holds that boundary's updates (scratch, finite: the
-      buffer returned them, so no separate zero-update buffer is written per
-      microstep), and the next microbatch reads it as zeros. Read the open
-      window's sum with :attr:`window_sum`.
-    weight_sum: float32 (float64 under x64), ``sum_i w_i`` of the window.
-    value_sum: weighted sum ``sum_i w_i * value_i`` of the ``value`` extra
-      args (the microbatch losses) passed in this window.
+    grad_sum: the accumulator, a tree like the params in the accumulator dtype
+      (float32 by default): ``sum_i w_i * g_i`` of the window's microbatches
+      (gradients of the scaled loss under a loss scale). It holds that sum
+      while ``mini_step > 0``; while the window is empty its contents are
+      scratch and are read as zeros (after a boundary of ``tx.update`` the
+      buffer carried that boundary's updates out: no zero buffer is written
+      per microstep). Read it with :attr:`AccumulationState.window_sum`.
+    weight_sum: float32 (float64 under x64), ``sum_i w_i``.
+    value_sum: ``sum_i w_i * value_i`` of the ``value`` extra args passed.
     value_weight: the weight sum of the microbatches that passed ``value``.
-    num_microbatches: int32, microbatches consumed since ``init`` (flushes are
+    weight_parts: with ``window_weight``, the window's weight in exact 12-bit
+      parts (float ``[7]``; ``_weight_count.add_parts``), else ``EmptyState``.
+    noise: with ``noise_scale_decay``, ``(sum_i w_i |g_i|^2, samples)`` (two
+      floats; ``_noise_scale.add``), else ``EmptyState``.
+  """
+
+  grad_sum: PyTree
+  weight_sum: jax.Array
+  value_sum: jax.Array
+  value_weight: jax.Array
+  weight_parts: Any
+  noise: Any
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`optax_accum.accumulate`. Every leaf is an array; scalars are 0-d.
+
+  Every float leaf is finite at all times (``jax_debug_nans`` safe) while the
+  gradients fed in are finite; "no value yet" is a boolean flag, never NaN.
+
+  Attributes:
+    mini_step: int32, microbatches in the open window (0 right after a boundary).
+    window: the open window's sums, a :class:`Window`.
+    num_microbatches: int32, microbatches consumed since ``init`` (a flush is
       not counted): the data position to resume from.
     num_updates: int32, windows applied (the inner optimizer ran).
     num_skipped: int32, windows skipped because their mean was not finite.
     updated: bool, whether the last call applied an update.
     window_loss: the weighted mean ``value`` of the last closed window whose
       mean ``value`` was finite (0.0 until then; see ``has_window_loss``).
-    has_window_loss: bool, whether ``window_loss`` holds a value: False until a
-      window with a finite mean ``value`` closes, and after a window whose
-      mean ``value`` was NaN or Inf (``window_loss`` then keeps the last finite
-      one).
+    has_window_loss: bool, whether ``window_loss`` holds the last closed
+      window's value (False before one closes, and after a NaN/Inf mean).
     grad_norm: global L2 norm of the last closed window's unscaled mean
-      gradient, before clipping, if that norm was finite; else the last finite
-      one (0.0 until a window closes; see ``has_grad_norm``).
-    has_grad_norm: bool, whether ``grad_norm`` is the norm of the last closed
-      (non-empty) window: False before the first window closes and after a
-      window whose mean was not finite (a skipped window).
-    loss_scale: float32, the scale to multiply the loss by in the current
-      window (1.0 without a loss scale).
-    growth_streak: int32, consecutive applied windows since the scale last
-      changed (dynamic loss scale only; 0 otherwise).
-    every_k: int32 fingerprint of the configuration: the window length, -1
-      when ``every_k`` is a schedule, 0 when it is None (windows closed by
+      gradient before clipping, if finite; else the last finite one (0.0
+      until a window closes; see ``has_grad_norm``).
+    has_grad_norm: bool, whether ``grad_norm`` is the last closed (non-empty)
+      window's norm (False before one closes, and after a skipped window).
+    every_k: int32, the fixed window length this state was made for; 0 when
+      windows are not a fixed count (an ``every_k`` schedule, or
       ``window_weight`` alone). Checked on every concrete call.
-    loss_scale_kind: int32 fingerprint of the loss-scale configuration: 0 for
-      none, 1 for :func:`optax_accum.static_loss_scale` (whose value must then
-      equal ``loss_scale``), 2 for :func:`optax_accum.dynamic_loss_scale`.
-      Checked on every concrete call and by ``check_compatible``.
-    noise_sq_sum: float (the weight-sum dtype), ``sum_i w_i |g_i|^2`` of the
-      window's microbatches (scaled gradients with a loss scale): the gradient
-      noise scale's one per-microbatch sum. 0 when ``noise_scale_decay`` is None.
-    noise_samples: float (the weight-sum dtype, to share the boundary's one
-      all-reduce), the window's microbatches with a nonzero weight (the noise
-      scale's samples ``K``; 0 when ``noise_scale_decay`` is None).
-    noise_trace_ema: float, the EMA numerator of ``S_est`` (the estimate of
-      ``tr(Sigma)``, McCandlish et al. 2018); 0 until a window with ``K >= 2``
-      closes, and always 0 when ``noise_scale_decay`` is None.
-    noise_signal_ema: float, the EMA numerator of ``G2_est`` (the estimate of
-      ``|G|^2``); as ``noise_trace_ema``.
-    noise_ema_weight: float, the EMAs' bias-correction weight ``1 - decay**t``
-      after ``t`` windows that counted: 0 means "no estimate yet".
-    weight_seen: a ``WeightCount`` (uint32 ``high`` and ``low`` words and a
-      float ``frac``: ``high * 2**32 + low + frac``), the exact total weight of
-      every window closed since ``init`` (applied, skipped or flushed; global
-      under ``axis_name``). Fixed while a window is open: the data position at
-      the last boundary (add ``weight_sum`` for the open window's). A
-      discarded window is not counted. Exact for whole weights in windows of
-      any size (docs/window_weight.md).
-    window_weight: a ``WeightCount``, the weight of the last closed non-empty
-      window (0 until one closes).
-    window_weight_parts: float32 (float64 under x64) ``[7]``, the open
-      window's weight, exact: its fraction and six 12-bit parts of its whole
-      part (this device's share under ``axis_name``, all-reduced with the other
-      sums at the boundary, exactly for up to 4096 devices), from which the
-      boundary adds the window's weight to ``weight_seen``.
+    loss_scale: a ``LossScaleState`` (``scale``, ``growth_streak``,
+      ``dynamic``) with ``loss_scale=...``, else ``optax.EmptyState()``.
+    token_budget: a ``TokenBudgetState`` (``weight_seen``, ``window_weight``:
+      exact ``WeightCount`` totals) with ``window_weight=...``, else empty.
+    noise_scale: a ``NoiseScaleState`` (the EMAs of the noise estimates) with
+      ``noise_scale_decay=...``, else empty.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -108,18 +94,15 @@ class AccumulationState(NamedTuple):
     >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=4)
     >>> params = {'w': jnp.zeros(3)}
     >>> state = tx.init(params)
-    >>> state.acc['w'].dtype, int(state.every_k), float(state.loss_scale)
-    (dtype('float32'), 4, 1.0)
+    >>> state.window.grad_sum['w'].dtype, int(state.every_k), state.loss_scale
+    (dtype('float32'), 4, EmptyState())
     >>> _, state = tx.update({'w': jnp.ones(3)}, state, params, weight=2)
-    >>> int(state.mini_step), float(state.weight_sum), state.acc['w']  # acc = 2 * g
+    >>> int(state.mini_step), float(state.window.weight_sum), state.window_sum['w']
     (1, 2.0, Array([2., 2., 2.], dtype=float32))
   """
 
   mini_step: jax.Array
-  acc: PyTree
-  weight_sum: jax.Array
-  value_sum: jax.Array
-  value_weight: jax.Array
+  window: Window
   num_microbatches: jax.Array
   num_updates: jax.Array
   num_skipped: jax.Array
@@ -128,25 +111,17 @@ class AccumulationState(NamedTuple):
   has_window_loss: jax.Array
   grad_norm: jax.Array
   has_grad_norm: jax.Array
-  loss_scale: jax.Array
-  growth_streak: jax.Array
   every_k: jax.Array
-  loss_scale_kind: jax.Array
-  noise_sq_sum: jax.Array
-  noise_samples: jax.Array
-  noise_trace_ema: jax.Array
-  noise_signal_ema: jax.Array
-  noise_ema_weight: jax.Array
-  weight_seen: Any  # a _window_weight.WeightCount (a NamedTuple of three 0-d arrays)
-  window_weight: Any  # a _window_weight.WeightCount
-  window_weight_parts: jax.Array
+  loss_scale: Any
+  token_budget: Any
+  noise_scale: Any
   inner_state: PyTree
 
   @property
   def window_sum(self) -> PyTree:
-    """The open window's weighted gradient sum: ``acc``, or zeros if ``mini_step == 0``.
+    """The open window's weighted gradient sum: ``grad_sum``, or zeros if the window is empty.
 
-    A tree like ``acc`` (same dtypes); works under ``jit``.
+    A tree like ``window.grad_sum`` (same dtypes); works under ``jit``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -156,41 +131,28 @@ class AccumulationState(NamedTuple):
       >>> state.window_sum['w']  # the window closed: nothing is pending
       Array([0., 0.], dtype=float32)
     """
-    return _buffers.open_window(self.acc, self.mini_step)
-
-
-# The fields that hold the open window (one device's share of it under shard_map):
-# reset at every boundary, emptied by `discard`, stacked per device by `stack_windows`.
-WINDOW_FIELDS = (
-  "acc",
-  "weight_sum",
-  "value_sum",
-  "value_weight",
-  "window_weight_parts",
-  *_noise_scale.WINDOW,
-)
+    empty = self.mini_step == 0
+    zero = lambda a: jnp.where(empty, jnp.zeros((), a.dtype), a)
+    return jax.tree.map(zero, self.window.grad_sum)
 
 
 def _is_state(x: Any) -> bool:
   return isinstance(x, AccumulationState)
 
 
-def _is_variable(x: Any) -> bool:
-  """Whether ``x`` is a Flax ``nnx.Variable`` (e.g. ``OptArray``), by duck typing."""
+def is_variable(x: Any) -> bool:
+  """Whether ``x`` is a Flax ``nnx.Variable`` (e.g. ``OptArray``), by its public methods."""
   return not isinstance(x, jax.Array) and hasattr(x, "get_value") and hasattr(x, "replace")
 
 
 def _unwrap(x: Any) -> Any:
-  """The array inside a Flax ``nnx.Variable``, else ``x``."""
-  return x.get_value() if _is_variable(x) else x
+  return x.get_value() if is_variable(x) else x
 
 
 def find_states(tree: PyTree) -> list[AccumulationState]:
   """Every :class:`AccumulationState` inside ``tree``, in tree order, unwrapped."""
-  found = [
-    leaf for leaf in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(leaf, AccumulationState)
-  ]
-  return [jax.tree.map(_unwrap, s, is_leaf=_is_variable) for s in found]
+  found = [x for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)]
+  return [jax.tree.map(_unwrap, s, is_leaf=is_variable) for s in found]
 
 
 def find_state(tree: PyTree) -> AccumulationState:
@@ -210,161 +172,76 @@ def find_state(tree: PyTree) -> AccumulationState:
   return found[0]
 
 
-def map_states(fn, opt_state: PyTree, other=None) -> PyTree:
-  """Applies ``fn(state)`` to every AccumulationState; ``other(leaf)`` to other leaves."""
-
-  def visit(x):
-    if _is_state(x):
-      return fn(x)
-    return x if other is None else other(x)
-
-  return jax.tree.map(visit, opt_state, is_leaf=_is_state)
+def map_states(fn, opt_state: PyTree) -> PyTree:
+  """Applies ``fn(state)`` to every :class:`AccumulationState` in ``opt_state``."""
+  return jax.tree.map(lambda x: fn(x) if _is_state(x) else x, opt_state, is_leaf=_is_state)
 
 
-def map_window(fn, state: AccumulationState, rest=None) -> AccumulationState:
-  """Applies ``fn`` to the leaves of the open window's fields; ``rest`` to the others."""
-  fields = {}
-  for name, value in state._asdict().items():
-    if name in WINDOW_FIELDS:
-      fields[name] = jax.tree.map(fn, value)
-    elif rest is not None:
-      fields[name] = jax.tree.map(rest, value)
-    else:
-      fields[name] = value
-  return AccumulationState(**fields)
+def map_window(fn, state: AccumulationState) -> AccumulationState:
+  """Applies ``fn`` to every leaf of the open window's sums (``state.window``)."""
+  return state._replace(window=jax.tree.map(fn, state.window))
 
 
-def _zeros_like(tree: PyTree) -> PyTree:
-  """Zeros like ``tree``; Flax variables stay variables (holding zeros)."""
-
-  def zero(x):
-    return x.replace(jnp.zeros_like(x.get_value())) if _is_variable(x) else jnp.zeros_like(x)
-
-  return jax.tree.map(zero, tree, is_leaf=_is_variable)
+# ------------------------------------------------------------------ configuration fingerprints
 
 
-def _reset_window(s: AccumulationState) -> AccumulationState:
-  zeros = {name: _zeros_like(getattr(s, name)) for name in WINDOW_FIELDS}
-  return s._replace(mini_step=_zeros_like(s.mini_step), **zeros)
+class Fingerprint(NamedTuple):
+  """What a state must agree on with the transformation that updates it (trace-time values).
 
-
-def discard(opt_state: PyTree) -> PyTree:
-  """Drops the open (partial) window: its gradients, weights and losses.
-
-  Use it at the end of an epoch whose last window should not be applied (a
-  changed data order, a bad shard). Nothing else changes: the inner state,
-  counters and loss scale stay as they are; ``num_microbatches`` keeps counting
-  what was consumed.
-
-  Args:
-    opt_state: any optimizer state containing :func:`optax_accum.accumulate`
-      states (every one found is reset): a tree of arrays, or Flax's
-      ``nnx.Optimizer.opt_state`` (assign the result back to it).
-
-  Returns:
-    A state of the same structure with the open window(s) emptied. It raises
-    nothing: a state without an ``accumulate`` state is returned unchanged.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, optax_accum
-    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
-    >>> params = {'w': jnp.zeros(2)}
-    >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params)
-    >>> state = optax_accum.discard(state)
-    >>> int(optax_accum.metrics(state).mini_step), float(optax_accum.metrics(state).pending_weight)
-    (0, 0.0)
+  Attributes:
+    every_k: the fixed window length, 0 when windows are not a fixed count.
+    loss_scale: ``None``, ``'static'`` or ``'dynamic'``.
+    static_scale: the static loss scale's value (None otherwise).
   """
-  return map_states(_reset_window, opt_state)
+
+  every_k: int
+  loss_scale: str | None
+  static_scale: float | None
 
 
-def flush(
-  tx: optax.GradientTransformation, state: PyTree, params: PyTree, **extra_args: Any
-) -> tuple[PyTree, PyTree]:
-  """Closes the current (possibly incomplete) window without a new gradient.
+def fingerprint_of(every_k: Any, loss_scale: Any) -> Fingerprint | None:
+  """A state's :class:`Fingerprint` from its ``every_k`` and ``loss_scale`` fields.
 
-  The window mean divides by the weight accumulated so far (e.g. by 2 for the
-  last two examples of an epoch, not by ``every_k``). The flush is not counted
-  as a microbatch. Flushing an empty window is a no-op: zero updates, inner
-  state unchanged, nothing counted.
-
-  Args:
-    tx: :func:`optax_accum.accumulate`'s transformation, or any transformation
-      containing it (an ``optax.chain``, say); other members see an all-zero
-      gradient.
-    state: the optimizer state of ``tx``.
-    params: the current params (a tree of arrays); zero gradients of their
-      shapes and dtypes are fed through ``tx``.
-    **extra_args: forwarded to ``tx.update`` (and so to the inner optimizer).
-      The inner optimizer's ``value`` is the weighted mean of the ``value`` args
-      passed with the window's microbatches; a ``value`` passed here is
-      ignored (the flush carries no microbatch).
-
-  Returns:
-    ``(updates, new_state)``, exactly like ``tx.update``: apply the updates
-    with ``optax.apply_updates``.
-
-  Raises:
-    ValueError: if ``state`` holds no :class:`AccumulationState` (flushing a
-      plain optimizer would run a real step on zero gradients), or several,
-      or if ``state`` is not a state of ``tx`` for these ``params`` (its tree,
-      shapes or dtypes differ from ``tx.init(params)``'s).
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, optax_accum
-    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
-    >>> params = {'w': jnp.zeros(())}
-    >>> state = tx.init(params)
-    >>> for y in (9.0, 10.0):  # two microbatches of a 4-window, gradients -y
-    ...   _, state = tx.update({'w': jnp.asarray(-y)}, state, params)
-    >>> updates, state = optax_accum.flush(tx, state, params)
-    >>> updates['w']  # the mean of the two, not divided by 4
-    Array(9.5, dtype=float32)
+  None when they are traced: the check is free under ``jit``.
   """
-  _belongs(tx, state, params)
-  return flush_with(tx.update, state, params, extra_args)
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((every_k, loss_scale))):
+    return None
+  k = int(np.asarray(every_k))
+  if not hasattr(loss_scale, "dynamic"):  # optax.EmptyState(): no loss scale
+    return Fingerprint(k, None, None)
+  if bool(np.asarray(loss_scale.dynamic)):
+    return Fingerprint(k, "dynamic", None)
+  return Fingerprint(k, "static", float(np.asarray(loss_scale.scale)))
 
 
-def _belongs(tx: optax.GradientTransformation, state: PyTree, params: PyTree) -> None:
-  """Raises unless ``state`` has the tree, shapes and dtypes of ``tx.init(params)``.
-
-  The check of :func:`flush`'s arguments. It lives here, not in ``_checks``,
-  because ``_checks`` imports this module (docs/design.md: imports point down).
-  """
-  if not find_states(state):
-    return  # flush_with says what is missing
-  expected = jax.eval_shape(tx.init, params)
-  leaves = lambda t: [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(t)]
-  same = jax.tree.structure(expected) == jax.tree.structure(state)
-  if not same or leaves(expected) != leaves(state):
-    raise ValueError(
-      "flush(tx, state, params): state is not a state of tx for these params (its tree, "
-      "shapes or dtypes differ from tx.init(params)). Pass the transformation that "
-      "produced state (the same optax.chain and inner optimizer) and the params it was "
-      "initialized with."
+def fingerprint_problems(got: Fingerprint, want: Fingerprint) -> list[str]:
+  """What differs between a state's fingerprint and the transformation's, in words."""
+  problems = []
+  if got.every_k != want.every_k:
+    show = lambda k: f"every_k={k}" if k else "no fixed every_k (a schedule or window_weight)"
+    problems.append(f"the state has {show(got.every_k)}, the transformation {show(want.every_k)}")
+  if got.loss_scale != want.loss_scale:
+    show = lambda s: f"loss_scale={s}_loss_scale" if s else "no loss_scale"
+    problems.append(
+      f"the state has {show(got.loss_scale)}, the transformation {show(want.loss_scale)}"
     )
-
-
-def flush_with(
-  update: Any, state: PyTree, params: PyTree, extra_args: dict[str, Any]
-) -> tuple[PyTree, PyTree]:
-  """:func:`flush` through ``update(grads, state, params, **kwargs) -> (out, state)``.
-
-  ``update`` is ``tx.update``, or the fused entry point (``out`` then is the new
-  params). The flush is a zero-weight microbatch that closes the window
-  (``weight=0, flush=True``), passes the window's mean loss as ``value`` (a
-  zero-weight value adds nothing to the window's loss), and afterwards puts
-  ``num_microbatches`` back: it consumed no data.
-  """
-  s = find_state(state) if find_states(state) else None
-  if s is None:
-    raise ValueError(
-      f"flush needs the state of optax_accum.accumulate (or of a chain containing it), got "
-      f"a {type(state).__name__} without one: flushing a plain optimizer would run a real "
-      "step on zero gradients."
+  elif want.static_scale is not None and np.float32(got.static_scale) != np.float32(
+    want.static_scale
+  ):
+    problems.append(
+      f"the state's static loss scale is {got.static_scale}, the transformation's "
+      f"{want.static_scale} (the open window's gradients were scaled by the old value)"
     )
-  extra_args = {k: v for k, v in extra_args.items() if k != "value"}
-  value = _numerics.guarded_divide(s.value_sum, s.value_weight)
-  grads = optax.tree.zeros_like(params)
-  out, new_state = update(grads, state, params, weight=0, flush=True, value=value, **extra_args)
-  position = s.num_microbatches
-  return out, map_states(lambda n: n._replace(num_microbatches=position), new_state)
+  return problems
+
+
+def raise_on_problems(problems: list[str], what: str) -> None:
+  """Raises one ``ValueError`` listing ``problems`` (if any) and what to do."""
+  if problems:
+    raise ValueError(
+      f"{what} was made by another accumulate configuration: "
+      + "; ".join(problems)
+      + ". Windows would be mixed or divided by the wrong scale: restore into an accumulate() "
+      "with the same configuration, or finish the window with the old one "
+      "(optax_accum.flush) and start a fresh state with tx.init(params)."
+    )

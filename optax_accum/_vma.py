@@ -7,7 +7,8 @@ and its boundary is a ``lax.cond`` whose branches must have equal types. The
 helpers here make that hold by construction, with type changes only
 (``jax.lax.pcast(..., to="varying")`` moves no data), so that the state works
 without a recipe: made by ``tx.init`` inside ``shard_map``, carried through
-``lax.scan``. Issue 11, item 2; see docs/design.md.
+``lax.scan``. The check that the params are replicated (:func:`check_replicated`)
+lives here too. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def per_device_window(
     axis_name: ``accumulate``'s ``axis_name`` (None: nothing to do).
 
   Returns:
-    ``state`` with the window fields (``acc``, ``weight_sum``, ``value_sum``,
-    ``value_weight``, ``window_weight_parts``) varying over ``axis_name``; the same values.
+    ``state`` with ``state.window`` (every sum of the open window) varying over
+    ``axis_name``; the same values.
   """
   if axis_name is None:
     return state
@@ -107,3 +108,25 @@ def agree(branches: tuple, operands: PyTree, inputs: PyTree) -> tuple:
     return agreed
 
   return tuple(wrap(b) for b in branches)
+
+
+def check_replicated(params: PyTree, axis_name: str | tuple[str, ...] | None) -> None:
+  """Raises if ``params`` vary over ``axis_name`` inside ``shard_map`` (check_vma=True).
+
+  Under ``axis_name`` every device applies the same window mean to the same
+  params; device-varying params (a ``pcast`` copy) would give device-varying
+  updates and inner state that cannot be returned replicated.
+  """
+  if axis_name is None or params is None:
+    return
+  axes = set(_axes(axis_name))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    bad = axes & varying(leaf)
+    if bad:
+      raise ValueError(
+        f"params{jax.tree_util.keystr(path)} varies over the mesh axis {sorted(bad)} but "
+        f"accumulate(..., axis_name={axis_name!r}) keeps one replicated copy of the params: "
+        "pass tx.update the params as shard_map received them (in_specs P()), and "
+        "differentiate with respect to a device-varying copy only: "
+        f"jax.grad(loss)(jax.lax.pcast(params, {axis_name!r}, to='varying'), batch)."
+      )

@@ -3,18 +3,16 @@
 A window of :func:`optax_accum.accumulate` may close on its weight: at the
 first microbatch whose cumulative weight (tokens, examples) reaches
 ``window_weight``, a number or a ramp (a callable of ``num_updates`` or of the
-weight seen so far). :func:`budget` evaluates it, :func:`reached` decides the
-boundary (under ``axis_name`` with one scalar all-reduce per microstep), and
-:class:`WeightCount` carries ``weight_seen`` (every closed window's weight since
-``init``) and ``window_weight`` (the last closed window's) exactly, without
-``jax_enable_x64`` (the open window's weight in exact parts, :func:`add_parts`).
-:func:`sqrt_scaled_schedule` scales a learning-rate schedule
+weight seen so far). :func:`check_window_weight` validates it, :func:`budget`
+evaluates it, :func:`reached` decides the boundary (under ``axis_name`` with one
+scalar all-reduce per microstep), and the feature's sub-state
+:class:`TokenBudgetState` counts ``weight_seen`` and ``window_weight`` exactly
+(``_weight_count``). :func:`sqrt_scaled_schedule` scales a learning-rate schedule
 with the square root of a ramp. See docs/window_weight.md and docs/design.md.
 """
 
 from __future__ import annotations
 
-import fractions
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,182 +21,92 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_accum import _checks, _numerics
+from optax_accum import _weight_count as wc
+from optax_accum._weight_count import WeightCount
 
 PyTree = Any
 
-_U32_MAX = int(np.iinfo(np.uint32).max)
+
+_WEIGHT_OF = ("num_updates", "weight_seen")
 
 
-class WeightCount(NamedTuple):
-  """An exact, non-negative weight total: ``high * 2**32 + low + frac``.
-
-  A float32 counter stops counting single tokens at 2**24 (16.8M) and an int32
-  one wraps at 2**31; a training run consumes 1e12 tokens and more. The whole
-  part is carried in two uint32 words (exact up to 2**64 - 1, where it
-  saturates), the fractional part in a float in [0, 1). It is a pytree (a
-  NamedTuple of three 0-d arrays): it works under ``jit``, in ``tree.map``
-  and in checkpoints. Outside ``jit``, ``float(count)`` and ``int(count)`` read
-  it in Python's exact integers first: ``float`` is exact for integer totals up
-  to 2**53 (9.0e15) and within one float64 rounding beyond; ``int`` is the
-  whole part, exact up to 2**64 - 1. Under ``jit``, :meth:`approx` gives a
-  rounded float array.
-
-  What is exact: every whole weight (any integer a float32 holds), in windows
-  of any size: the open window is counted in 12-bit parts
-  (:func:`add_parts`, the state's ``window_weight_parts``), all-reduced exactly
-  under ``axis_name`` for up to 4096 devices, and added here at its boundary.
-  Fractional parts are added in float32 (float64 under x64) and carried into
-  the whole part, so a fractional total is within float32 rounding of its
-  fraction (about 2**-24 per microbatch), never of its magnitude.
-
-  Attributes:
-    high: uint32, the whole part's multiples of 2**32.
-    low: uint32, the whole part modulo 2**32.
-    frac: float32 (float64 under x64), the fractional part, in [0, 1).
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> c = add(zeros(), jnp.float32(2.0**31))
-    >>> c = add(add(c, jnp.float32(2.0**31)), jnp.float32(1.0))
-    >>> int(c), float(c)  # 2**32 + 1: past float32's and int32's range, exact
-    (4294967297, 4294967297.0)
-  """
-
-  high: jax.Array
-  low: jax.Array
-  frac: jax.Array
-
-  def _exact(self) -> fractions.Fraction:
-    whole = (int(np.asarray(self.high)) << 32) | int(np.asarray(self.low))
-    return whole + fractions.Fraction(float(np.asarray(self.frac)))
-
-  def __float__(self) -> float:
-    return float(self._exact())
-
-  def __int__(self) -> int:
-    return (int(np.asarray(self.high)) << 32) | int(np.asarray(self.low))
-
-  def item(self) -> int | float:
-    """The total as a Python ``int`` when it is whole, else a ``float`` (outside ``jit``)."""
-    return int(self) if float(np.asarray(self.frac)) == 0 else float(self)
-
-  def __str__(self) -> str:
-    if any(isinstance(x, jax.core.Tracer) for x in self):
-      return f"WeightCount(high={self.high}, low={self.low}, frac={self.frac})"
-    return str(self.item())
-
-  def approx(self) -> jax.Array:
-    """The total as a float array of ``frac``'s dtype, rounded (works under ``jit``)."""
-    dt = self.frac.dtype
-    return self.high.astype(dt) * jnp.asarray(2.0**32, dt) + self.low.astype(dt) + self.frac
-
-
-def zeros() -> WeightCount:
-  """A zero :class:`WeightCount` (fresh buffers: a donated state must not share them)."""
-  zero = lambda: jnp.zeros((), jnp.uint32)
-  return WeightCount(zero(), zero(), jnp.zeros((), _numerics.scalar_dtype()))
-
-
-def add(count: WeightCount, weight: jax.Array) -> WeightCount:
-  """``count + weight``, exactly for a whole ``weight``; saturates at 2**64 - 1.
-
-  Args:
-    count: the running total.
-    weight: a float scalar (cast to ``count.frac``'s dtype). A negative, NaN or
-      infinite one adds nothing (only a traced negative microbatch weight can
-      make a window's sum negative).
+def check_window_weight(every_k: Any, budget: Any, budget_of: Any) -> Budget | None:
+  """Validates ``accumulate``'s ``window_weight`` and ``window_weight_of``.
 
   Returns:
-    The new :class:`WeightCount`.
+    A :class:`Budget`: a float budget with ``of=None``, or a callable ramp with
+    ``of`` in ``('num_updates', 'weight_seen')``; None without a budget.
+
+  Raises:
+    TypeError, ValueError: naming the argument, the limit and what to do.
   """
-  dt = count.frac.dtype
-  w = _clean(weight, dt)
-  whole = jnp.floor(w)
-  frac = count.frac + (w - whole)  # w - floor(w) is exact
-  carry = frac >= 1
-  frac = jnp.where(carry, frac - jnp.ones((), dt), frac)  # exact in [1, 2)
-  w_high = jnp.floor(whole * jnp.asarray(2.0**-32, dt))  # power-of-two scaling: exact
-  w_low = whole - w_high * jnp.asarray(2.0**32, dt)  # in [0, 2**32): exact
-  w_high, w_low = w_high.astype(jnp.uint32), w_low.astype(jnp.uint32)
-  low1 = count.low + w_low
-  low2 = low1 + carry.astype(jnp.uint32)
-  carry_low = (low1 < w_low) | (low2 < low1)
-  room = jnp.asarray(_U32_MAX, jnp.uint32) - count.high
-  over = (w_high > room) | ((w_high == room) & carry_low)
-  high = count.high + w_high + carry_low.astype(jnp.uint32)
-  top = jnp.asarray(_U32_MAX, jnp.uint32)
-  return WeightCount(
-    high=jnp.where(over, top, high),
-    low=jnp.where(over, top, low2),
-    frac=jnp.where(over, count.frac, frac),
+  if budget is None:
+    if every_k is None:
+      raise ValueError(
+        "accumulate needs every_k (microbatches per window) or window_weight (the weight, "
+        "e.g. tokens, per window), got neither. Pass e.g. every_k=4, or "
+        "window_weight=2**20 to close each window at the first microbatch reaching 2**20 "
+        "tokens."
+      )
+    if budget_of is not None:
+      raise ValueError(
+        f"window_weight_of={budget_of!r} is only meaningful with a callable window_weight "
+        "(a ramp); got window_weight=None. Drop window_weight_of, or pass the ramp."
+      )
+    return None
+  if callable(budget):
+    if budget_of not in _WEIGHT_OF:
+      raise ValueError(
+        f"window_weight is a callable (a ramp), so window_weight_of must say what it is "
+        f"called with: 'num_updates' (applied windows, int32) or 'weight_seen' (the weight "
+        f"of the windows closed so far, a float); got {budget_of!r}."
+      )
+    return Budget(budget, budget_of)
+  if budget_of is not None:
+    raise ValueError(
+      f"window_weight_of={budget_of!r} is only meaningful with a callable window_weight (a "
+      f"ramp); got the number {budget!r}. Drop window_weight_of, or pass a callable."
+    )
+  return Budget(_budget_number(budget), None)
+
+
+def _budget_number(budget: Any) -> float:
+  """A fixed ``window_weight``: finite, > 0 and exactly representable in the weight-sum dtype."""
+  _checks.real_number(budget, "window_weight", "the weight, e.g. tokens, per window")
+  dtype = _numerics.scalar_dtype()
+  value = float(budget)
+  if not (np.isfinite(value) and value > 0):
+    raise ValueError(
+      f"window_weight must be finite and > 0 (the weight, e.g. tokens, at which a window "
+      f"closes), got {budget}. Use every_k for windows of a fixed number of microbatches."
+    )
+  with np.errstate(over="ignore"):
+    rounded = np.asarray(value, dtype)
+  exact = bool(np.isfinite(rounded)) and (
+    not isinstance(budget, (int, np.integer)) or int(rounded) == int(budget)
   )
+  if not exact:
+    limit = 2 ** (np.finfo(dtype).nmant + 1)
+    raise ValueError(
+      f"window_weight={budget} is not exactly representable in {dtype}, the dtype of the "
+      f"window's weight sum (integers up to {limit} always are), so windows would close at "
+      f"{float(rounded):.17g}. Pass a representable budget (e.g. a multiple of a power of "
+      "two), or enable jax_enable_x64 for float64 sums."
+    )
+  return float(rounded)
 
 
-def of(weight: jax.Array) -> WeightCount:
-  """``weight`` as a :class:`WeightCount` (``add(zeros(), weight)``)."""
-  return add(zeros(), weight)
-
-
-# The open window's exact weight, per device: PARTS 12-bit parts of the whole part (72 bits)
-# and the fraction, as floats of the weight-sum dtype. Each part stays below 2**12, so the
-# boundary's all-reduce (the same variadic psum as the window's other sums, one dtype) adds
-# up to 2**24 / 2**12 = 4096 devices' parts exactly in float32.
-PART_BITS, PARTS = 12, 6
-MAX_EXACT_DEVICES = 2 ** (24 - PART_BITS)
-
-
-def zero_parts() -> jax.Array:
-  """An empty window's parts: ``[frac, p0, ..., p5]``, zeros of the weight-sum dtype."""
-  return jnp.zeros((PARTS + 1,), _numerics.scalar_dtype())
-
-
-def _clean(w: jax.Array, dt: Any) -> jax.Array:
-  """``w`` in ``dt``: 0 for a negative, NaN or infinite value; below 2**64."""
-  w = jnp.asarray(w).astype(dt)
-  w = jnp.where(jnp.isfinite(w) & (w > 0), w, jnp.zeros((), dt))
-  return jnp.minimum(w, jnp.asarray(np.nextafter(np.asarray(2.0**64, dt), np.asarray(0, dt)), dt))
-
-
-def add_parts(parts: jax.Array, weight: jax.Array) -> jax.Array:
-  """``parts + weight`` exactly (a whole ``weight``), each part carried back below 2**12.
-
-  Args:
-    parts: ``[frac, p0, ..., p5]`` (:func:`zero_parts`), this device's open window.
-    weight: this device's microbatch weight (a negative, NaN or infinite one adds nothing).
-
-  Returns:
-    The new parts: ``frac`` in [0, 1), ``p0..p4`` in [0, 2**12), the top part as it grows.
-  """
-  dt = parts.dtype
-  w = _clean(weight, dt)
-  whole = jnp.floor(w)
-  pieces, rest = [], whole
-  for k in reversed(range(PARTS)):  # power-of-two scalings and exact remainders
-    scale = jnp.asarray(2.0 ** (PART_BITS * k), dt)
-    piece = jnp.floor(rest * jnp.asarray(2.0 ** (-PART_BITS * k), dt))
-    rest = rest - piece * scale
-    pieces.append(piece)
-  new = parts + jnp.stack([w - whole, *reversed(pieces)])
-  frac = new[0]
-  carry = (frac >= 1).astype(dt)
-  out = [frac - carry]
-  base = jnp.asarray(2.0**PART_BITS, dt)
-  for k in range(PARTS):
-    v = new[k + 1] + carry
-    if k == PARTS - 1:  # the top part keeps what it holds (2**72 is never reached)
-      out.append(v)
-      break
-    carry = jnp.floor(v / base)
-    out.append(v - carry * base)
-  return jnp.stack(out)
-
-
-def count_parts(count: WeightCount, parts: jax.Array) -> WeightCount:
-  """``count`` plus the (all-reduced) parts of a window, exactly: each term is a whole float."""
-  count = add(count, parts[0])  # the fractions' sum (its whole part too)
-  for k in range(PARTS):
-    count = add(count, parts[k + 1] * jnp.asarray(2.0 ** (PART_BITS * k), parts.dtype))
-  return count
+def window_weight_value(value: Any) -> jax.Array:
+  """A ramp's returned budget as a real scalar of the weight-sum dtype (may be traced)."""
+  arr = jnp.asarray(value)
+  if arr.ndim != 0 or not (
+    jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
+  ):
+    raise TypeError(
+      f"the window_weight ramp must return a real scalar (the weight per window), got "
+      f"{arr.dtype}{list(arr.shape)}."
+    )
+  return arr.astype(_numerics.scalar_dtype())
 
 
 class Budget(NamedTuple):
@@ -225,7 +133,7 @@ def budget(config: Budget, num_updates: jax.Array, weight_seen: WeightCount) -> 
   if not callable(config.value):
     return jnp.asarray(config.value, _numerics.scalar_dtype())
   arg = num_updates if config.of == "num_updates" else weight_seen.approx()
-  return _checks.window_weight_value(config.value(arg))
+  return window_weight_value(config.value(arg))
 
 
 def reached(
@@ -259,6 +167,37 @@ def reached(
   if axis_name is not None:
     window_sum = jax.lax.psum(window_sum, axis_name)
   return ~(window_sum < budget(config, num_updates, weight_seen).astype(window_sum.dtype))
+
+
+class TokenBudgetState(NamedTuple):
+  """The token budget's sub-state of :class:`optax_accum.AccumulationState`.
+
+  Attributes:
+    weight_seen: a ``WeightCount`` (uint32 ``high`` and ``low`` words and a
+      float ``frac``), the exact weight of every window closed since ``init``
+      (applied, skipped or flushed; global under ``axis_name``). Fixed while
+      a window is open; a discarded window is not counted.
+    window_weight: a ``WeightCount``, the weight of the last closed non-empty
+      window (0 until one closes).
+  """
+
+  weight_seen: WeightCount
+  window_weight: WeightCount
+
+
+def init_state() -> TokenBudgetState:
+  """A fresh sub-state: both counts zero (fresh buffers each, for donation)."""
+  return TokenBudgetState(wc.zeros(), wc.zeros())
+
+
+def close(state: TokenBudgetState, parts: jax.Array, empty: jax.Array) -> TokenBudgetState:
+  """The sub-state after a boundary: the (all-reduced) window ``parts`` counted exactly."""
+  window = wc.count_parts(wc.zeros(), parts)
+  keep = lambda new, old: jnp.where(empty, old, new)
+  return TokenBudgetState(
+    weight_seen=wc.count_parts(state.weight_seen, parts),
+    window_weight=jax.tree.map(keep, window, state.window_weight),
+  )
 
 
 def sqrt_scaled_schedule(
@@ -311,9 +250,14 @@ def sqrt_scaled_schedule(
     Scaling Rules for Adaptive Gradient Algorithms <https://arxiv.org/abs/2205.10287>`_
     (2022), the square-root scaling rule for Adam.
   """
-  _checks.schedule_like(schedule, "sqrt_scaled_schedule: schedule", "a learning rate")
-  _checks.schedule_like(window_weight, "sqrt_scaled_schedule: window_weight", "tokens per update")
-  ref = _checks.positive_number(reference_weight, "sqrt_scaled_schedule: reference_weight")
+  for value, name in ((schedule, "schedule"), (window_weight, "window_weight")):
+    if not callable(value):
+      _checks.real_number(value, f"sqrt_scaled_schedule: {name}", "or a callable of the count")
+  ref = _checks.real_number(reference_weight, "sqrt_scaled_schedule: reference_weight", "> 0")
+  _checks.require(
+    "sqrt_scaled_schedule",
+    [(np.isfinite(ref) and ref > 0, f"reference_weight must be finite and > 0, got {ref}")],
+  )
 
   def scaled(count: jax.Array) -> jax.Array:
     lr = schedule(count) if callable(schedule) else schedule

@@ -8,10 +8,14 @@ Where they run:
 - ``accumulate(...).init``: an :class:`optax_accum.AccumulationState` or an
   ``optax.MultiStepsState`` inside the inner optimizer's state
   (:func:`check_inner_state`).
-- :func:`optax_accum.metrics`, :func:`optax_accum.update_and_apply` and the
-  Flax integrations: the outer state (:func:`check_state`: ``apply_if_finite``
-  around ``accumulate``, a schedule outside it) and, where the transformation
-  is known, the chain (:func:`check_transformation`: a clip before it).
+- :func:`optax_accum.update_and_apply` with a ``tx`` around ``accumulate``, and
+  the Flax integrations: the outer state (:func:`check_state`:
+  ``apply_if_finite`` around ``accumulate``, a schedule outside it).
+
+Only optax's public structure is read: the types of its states. A gradient
+clip chained before ``accumulate`` has an ``EmptyState`` like many
+transformations, so it cannot be told apart and is documented (README,
+Pitfalls) rather than detected.
 
 None of these pitfalls is wrong in every case (equal microbatch weights, no
 non-finite gradient, a norm that never reaches the clip threshold give the
@@ -26,7 +30,6 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,9 +39,6 @@ __all__ = ["PitfallWarning"]
 
 PyTree = Any
 
-# Factories whose transformation clips gradients (their update functions'
-# qualified names start with "<factory>.<locals>").
-_CLIPS = ("clip_by_global_norm",)  # an elementwise optax.clip per microbatch may be intended
 # Optimizer states of a schedule: their count advances on every `update` call.
 # (`inject_hyperparams` is left out: its state looks the same with constant hyperparams.)
 _SCHEDULE_STATES = (optax.ScaleByScheduleState,)
@@ -144,7 +144,7 @@ def check_state(opt_state: PyTree, state_type: type) -> None:
     >>> state = tx.init({'w': jnp.zeros(2)})
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
-    ...   _ = optax_accum.metrics(state)
+    ...   optax_accum.pitfalls.check_state(state, optax_accum.AccumulationState)
     >>> [w.category.__name__ for w in caught]
     ['PitfallWarning']
   """
@@ -165,77 +165,4 @@ def check_state(opt_state: PyTree, state_type: type) -> None:
       "schedule) counts microbatches, not updates. Put it inside: "
       "accumulate(optax.chain(..., optax.scale_by_schedule(s)), every_k), or give the inner "
       "optimizer the schedule: accumulate(optax.adamw(schedule), every_k)."
-    )
-
-
-def _update_fns(fn: Callable) -> list[Callable]:
-  """The update functions of the transformations chained in ``fn`` (itself if not a chain)."""
-  cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
-  name = fn.__qualname__
-  if name.startswith("chain.") and "update_fns" in cells:
-    return [f for g in cells["update_fns"].cell_contents for f in _update_fns(g)]
-  if name.startswith("with_extra_args_support.") and "tx" in cells:
-    return _update_fns(cells["tx"].cell_contents.update)
-  return [fn]
-
-
-def check(tx: Any, opt_state: PyTree, state_type: type) -> None:
-  """:func:`check_transformation` of ``tx`` and :func:`check_state` of ``opt_state``.
-
-  Args:
-    tx: the outer transformation.
-    opt_state: its state.
-    state_type: :class:`optax_accum.AccumulationState`.
-
-  Warns:
-    PitfallWarning: naming the fix.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, optax_accum
-    >>> tx = optax_accum.accumulate(optax.adamw(optax.linear_schedule(1e-3, 0.0, 100)), 4)
-    >>> state = tx.init({'w': jnp.zeros(2)})
-    >>> optax_accum.pitfalls.check(tx, state, optax_accum.AccumulationState)  # schedule inside
-  """
-  check_transformation(tx)
-  check_state(opt_state, state_type)
-
-
-def check_transformation(tx: Any) -> None:
-  """Warns about a gradient clip chained *before* ``accumulate``.
-
-  ``optax.chain(optax.clip_by_global_norm(1.0), accumulate(opt, k))`` clips
-  every microbatch, not the window (clipping ``(3, 0)`` and ``(0, 4)``
-  separately gives ``(0.5, 0.5)`` instead of ``(0.6, 0.8)``), and with a loss
-  scale it clips the *scaled* gradients. A clip *after* ``accumulate`` clips
-  the updates and is left alone. The chain is read from ``optax.chain``'s
-  closure; a transformation it cannot read is not checked.
-
-  Args:
-    tx: the outer transformation, e.g. an ``optax.chain`` containing
-      :func:`optax_accum.accumulate`.
-
-  Warns:
-    PitfallWarning: naming the fix, ``accumulate(..., clip_norm=...)``.
-
-  Examples:
-    >>> import warnings, optax, optax_accum
-    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax_accum.accumulate(optax.sgd(1), 4))
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter("always")
-    ...   optax_accum.pitfalls.check_transformation(tx)
-    >>> [w.category.__name__ for w in caught]
-    ['PitfallWarning']
-  """
-  try:
-    names = [f.__qualname__.split(".<locals>")[0] for f in _update_fns(tx.update)]
-  except (AttributeError, TypeError, ValueError):  # not a plain function: nothing to read
-    return
-  if "accumulate" not in names:
-    return
-  before = [n for n in names[: names.index("accumulate")] if n in _CLIPS]
-  if before:
-    _warn(
-      f"optax.{before[0]} before accumulate clips every microbatch, not the window (and with a "
-      "loss scale, the scaled gradients). Use accumulate(..., clip_norm=...) or put the clip in "
-      "the inner optimizer: accumulate(optax.chain(optax.clip_by_global_norm(1.0), opt), k)."
     )

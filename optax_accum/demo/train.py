@@ -63,7 +63,7 @@ class TrainResult(NamedTuple):
     tokens: real (unmasked) target bytes trained on.
     flushed_windows: incomplete windows closed at an epoch's end or the run's.
     window_tokens: int64 ``[num_updates]``, the real bytes (tokens) of each
-      applied window, from ``metrics(...).window_weight``.
+      applied window (the host's count of its microbatches' weights).
     train_seconds: wall time of the training loop (compilation excluded).
     tokens_per_second: ``tokens / train_seconds``.
     model: the trained model.
@@ -347,9 +347,9 @@ def train(
       # epoch's end).
       flushed += not full
       full_windows.append(full)
-      pending = pending_tokens = 0
       window_losses.append(m.window_loss)
-      window_weights.append(m.window_weight)
+      window_weights.append(pending_tokens)
+      pending = pending_tokens = 0
       new_updates = int(m.num_updates)  # waits for this step: one sync per window
       bar.update(new_updates - num_updates)
       if lines_every and new_updates // lines_every > num_updates // lines_every:
@@ -357,7 +357,7 @@ def train(
         _write(
           out,
           f"update {new_updates}/{config.updates}: loss {float(m.window_loss):.3f}, "
-          f"{int(m.window_weight)} tokens in this update, {tokens / elapsed:,.0f} tokens/s, "
+          f"{window_weights[-1]} tokens in this update, {tokens / elapsed:,.0f} tokens/s, "
           f"{_duration(elapsed)} elapsed, B_simple {float(m.noise_scale):,.0f} tokens",
         )
       num_updates = new_updates
@@ -378,13 +378,13 @@ def train(
   bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{tokens / train_seconds:,.0f}")
   bar.close()
   # The loop stops right after a window closed, so no window is left open here:
-  # an open one would be closed with optax_accum.flush (see optax_accum.flax.flush).
+  # an open one would be closed with flush=True on its last microbatch.
   model, optimizer = nnx.merge(graphdef, state)
 
   final = optax_accum.metrics(optimizer.opt_state)
-  final = {k: v.item() for k, v in final._asdict().items()}
+  final = {k: v.item() for k, v in final._asdict().items() if v is not None}
   losses = np.asarray([float(x) for x in window_losses], np.float64)
-  window_tokens = np.asarray([int(w) for w in window_weights], np.int64)
+  window_tokens = np.asarray(window_weights, np.int64)
   eval_after = _evaluate(loss_sum_and_tokens, state, eval_batches)
   result = TrainResult(
     preflight=report,

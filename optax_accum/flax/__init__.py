@@ -4,14 +4,10 @@ Import it explicitly; ``import optax_accum`` never imports Flax::
 
   import optax_accum.flax
 
-NNX: use ``nnx.Optimizer(model, optax_accum.accumulate(...), wrt=nnx.Param)``
-and ``optimizer.update(model, grads, weight=n_tokens)`` directly; the helpers
-here read the update counter (:func:`num_updates`; ``optimizer.step`` counts
-microbatches) and close (:func:`flush`) or drop (:func:`discard`) the open
-window in place.
-
-Linen: :class:`TrainState` forwards ``weight``/``flush`` and counts applied
-updates in ``step``.
+NNX: :class:`Optimizer` (``nnx.Optimizer`` on the fused path, ``step`` counts
+applied updates). Linen: :class:`TrainState` forwards ``weight``/``flush`` and
+counts applied updates in ``step``. Both close the last window with
+``flush=True`` on its last microbatch.
 """
 
 try:
@@ -24,6 +20,6 @@ except ModuleNotFoundError as e:
   ) from e
 
 from optax_accum.flax._linen import TrainState  # noqa: E402
-from optax_accum.flax._nnx import Optimizer, discard, flush, num_updates  # noqa: E402
+from optax_accum.flax._nnx import Optimizer  # noqa: E402
 
-__all__ = ["Optimizer", "TrainState", "discard", "flush", "num_updates"]
+__all__ = ["Optimizer", "TrainState"]

@@ -6,11 +6,11 @@ extra arguments to ``tx.update`` and increments ``step`` on every call. With
 forwards ``weight`` and ``flush``, advances ``step`` only when a window was
 applied (not on microsteps, not on skipped non-finite windows), and takes the
 fused path (:func:`optax_accum.update_and_apply`: no update buffer, params
-untouched between boundaries). Code written
+untouched between boundaries). The last, incomplete window closes with
+``flush=True`` on its last microbatch; ``state.replace(opt_state=
+optax_accum.discard(state.opt_state))`` drops it. Code written
 for Flax's class keeps working: without ``weight`` every microbatch weighs 1,
 which is exact when the microbatches have equal sizes.
-
-See docs/design.md for the module map.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
 from optax_accum import pitfalls
-from optax_accum._state import AccumulationState, find_states, flush_with
-from optax_accum._state import discard as _discard_state
-from optax_accum._train_step import update_and_apply
+from optax_accum._actions import update_and_apply
+from optax_accum._state import AccumulationState, find_states
 
 
 class TrainState(train_state.TrainState):
@@ -57,7 +56,8 @@ class TrainState(train_state.TrainState):
     ...                                 weight=n)
     >>> int(state.step)  # one window of two microbatches applied, one open
     1
-    >>> state = state.flush()  # apply the open window (the 3 examples)
+    >>> state = state.apply_gradients(  # the data ends: close the open window
+    ...   grads=jax.grad(loss)(state.params, x[:1], y[:1]), weight=1, flush=True)
     >>> int(state.step)
     2
   """
@@ -83,7 +83,7 @@ class TrainState(train_state.TrainState):
     owg = grads is not None and OVERWRITE_WITH_GRADIENT in grads
     params = self.params["params"] if owg else self.params
     grads_opt = None if grads is None else (grads["params"] if owg else grads)
-    pitfalls.check(self.tx, self.opt_state, AccumulationState)
+    pitfalls.check_state(self.opt_state, AccumulationState)
     new_params, new_opt_state = step_fn(grads_opt, params)
     if owg:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
@@ -127,30 +127,3 @@ class TrainState(train_state.TrainState):
       grads,
       **kwargs,
     )
-
-  def flush(self, **kwargs: Any) -> TrainState:
-    """Closes and applies the open window without a new microbatch.
-
-    The window mean divides by the weight accumulated so far
-    (:func:`optax_accum.flush`). An empty window is a no-op (``step`` unchanged).
-
-    Args:
-      **kwargs: other dataclass fields to ``.replace()``.
-
-    Returns:
-      A new state with the open window applied.
-    """
-
-    def step(_, params):
-      fused = lambda g, s, p, **kw: update_and_apply(self.tx, g, s, p, **kw)
-      return flush_with(fused, self.opt_state, params, {})
-
-    return self._apply(step, None, **kwargs)
-
-  def discard(self) -> TrainState:
-    """Drops the open window (:func:`optax_accum.discard`); params and ``step`` unchanged.
-
-    Returns:
-      A new state whose ``opt_state`` has an empty window.
-    """
-    return self.replace(opt_state=_discard_state(self.opt_state))

@@ -1,0 +1,207 @@
+"""What a user does with an ``accumulate`` state besides ``update``: flush, discard, apply.
+
+One spelling per action: :func:`flush` closes the open window (or pass
+``flush=True`` with the last microbatch to any update), :func:`discard` drops
+it, :func:`update_and_apply` is ``tx.update`` plus ``optax.apply_updates``
+(fused for an :class:`optax_accum.Accumulation`). The Flax integrations call
+these. docs/design.md maps the modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum import _numerics, pitfalls
+from optax_accum._accumulate import Accumulation
+from optax_accum._state import AccumulationState, find_state, find_states, is_variable, map_states
+
+PyTree = Any
+
+
+def _zeros_like(tree: PyTree) -> PyTree:
+  """Zeros like ``tree``; Flax variables stay variables (holding zeros)."""
+
+  def zero(x):
+    return x.replace(jnp.zeros_like(x.get_value())) if is_variable(x) else jnp.zeros_like(x)
+
+  return jax.tree.map(zero, tree, is_leaf=is_variable)
+
+
+def _empty_window(s: AccumulationState) -> AccumulationState:
+  return s._replace(mini_step=_zeros_like(s.mini_step), window=_zeros_like(s.window))
+
+
+def discard(opt_state: PyTree) -> PyTree:
+  """Drops the open (partial) window: its gradients, weights and losses.
+
+  Use it at the end of an epoch whose last window should not be applied (a
+  changed data order, a bad shard). Nothing else changes: the inner state,
+  counters and loss scale stay as they are; ``num_microbatches`` keeps counting
+  what was consumed.
+
+  Args:
+    opt_state: any optimizer state containing :func:`optax_accum.accumulate`
+      states (every one found is reset): a tree of arrays, or Flax's
+      ``nnx.Optimizer.opt_state`` (assign the result back to it).
+
+  Returns:
+    A state of the same structure with the open window(s) emptied. It raises
+    nothing: a state without an ``accumulate`` state is returned unchanged.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params)
+    >>> state = optax_accum.discard(state)
+    >>> int(optax_accum.metrics(state).mini_step), float(optax_accum.metrics(state).pending_weight)
+    (0, 0.0)
+  """
+  return map_states(_empty_window, opt_state)
+
+
+def flush(
+  tx: optax.GradientTransformation, state: PyTree, params: PyTree, **extra_args: Any
+) -> tuple[PyTree, PyTree]:
+  """Closes the current (possibly incomplete) window without a new gradient.
+
+  The window mean divides by the weight accumulated so far (e.g. by 2 for the
+  last two examples of an epoch, not by ``every_k``). The flush is not counted
+  as a microbatch. Flushing an empty window is a no-op: zero updates, inner
+  state unchanged, nothing counted.
+
+  Args:
+    tx: :func:`optax_accum.accumulate`'s transformation, or any transformation
+      containing it (an ``optax.chain``, say); other members see an all-zero
+      gradient.
+    state: the optimizer state of ``tx``.
+    params: the current params (a tree of arrays); zero gradients of their
+      shapes and dtypes are fed through ``tx``.
+    **extra_args: forwarded to ``tx.update`` (and so to the inner optimizer).
+      The inner optimizer's ``value`` is the weighted mean of the ``value`` args
+      passed with the window's microbatches; a ``value`` passed here is
+      ignored (the flush carries no microbatch).
+
+  Returns:
+    ``(updates, new_state)``, exactly like ``tx.update``: apply the updates
+    with ``optax.apply_updates``.
+
+  Raises:
+    ValueError: if ``state`` holds no :class:`AccumulationState` (flushing a
+      plain optimizer would run a real step on zero gradients), or several,
+      or if ``state`` is not a state of ``tx`` for these ``params`` (its tree,
+      shapes or dtypes differ from ``tx.init(params)``'s).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
+    >>> params = {'w': jnp.zeros(())}
+    >>> state = tx.init(params)
+    >>> for y in (9.0, 10.0):  # two microbatches of a 4-window, gradients -y
+    ...   _, state = tx.update({'w': jnp.asarray(-y)}, state, params)
+    >>> updates, state = optax_accum.flush(tx, state, params)
+    >>> updates['w']  # the mean of the two, not divided by 4
+    Array(9.5, dtype=float32)
+  """
+  _check_belongs(tx, state, params)
+  s = find_states(state)
+  if not s:
+    raise ValueError(
+      f"flush needs the state of optax_accum.accumulate (or of a chain containing it), got "
+      f"a {type(state).__name__} without one: flushing a plain optimizer would run a real "
+      "step on zero gradients."
+    )
+  s = find_state(state)  # exactly one
+  extra_args = {k: v for k, v in extra_args.items() if k != "value"}
+  value = _numerics.guarded_divide(s.window.value_sum, s.window.value_weight)
+  grads = optax.tree.zeros_like(params)
+  out, new_state = tx.update(grads, state, params, weight=0, flush=True, value=value, **extra_args)
+  # A flush consumed no data: num_microbatches is put back.
+  position = s.num_microbatches
+  return out, map_states(lambda n: n._replace(num_microbatches=position), new_state)
+
+
+def _check_belongs(tx: optax.GradientTransformation, state: PyTree, params: PyTree) -> None:
+  """Raises unless ``state`` has the tree, shapes and dtypes of ``tx.init(params)``."""
+  if not find_states(state):
+    return  # flush says what is missing
+  expected = jax.eval_shape(tx.init, params)
+  leaves = lambda t: [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(t)]
+  same = jax.tree.structure(expected) == jax.tree.structure(state)
+  if not same or leaves(expected) != leaves(state):
+    raise ValueError(
+      "flush(tx, state, params): state is not a state of tx for these params (its tree, "
+      "shapes or dtypes differ from tx.init(params)). Pass the transformation that "
+      "produced state (the same optax.chain and inner optimizer) and the params it was "
+      "initialized with."
+    )
+
+
+def update_and_apply(
+  tx: optax.GradientTransformation,
+  grads: PyTree,
+  opt_state: PyTree,
+  params: PyTree,
+  **extra_args: Any,
+) -> tuple[PyTree, PyTree]:
+  """``tx.update`` then ``optax.apply_updates``, fused when ``tx`` is an :class:`Accumulation`.
+
+  The recommended train step (donate params and state, so that a microstep
+  between boundaries costs what ``acc += weight * grads`` costs):
+
+  .. code-block:: python
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      params, opt_state = optax_accum.update_and_apply(
+        tx, grads, opt_state, params, weight=batch_weight)
+      return params, opt_state, loss
+
+  When ``tx`` is the :class:`optax_accum.Accumulation` that
+  :func:`optax_accum.accumulate` returned, this runs its ``update_and_apply``:
+  the params pass through its ``lax.cond`` (no update buffer is written); the
+  result equals ``tx.update`` + ``optax.apply_updates`` (the same arithmetic,
+  compiled in one program). For any other ``tx``, including an ``optax.chain``
+  or a user wrapper containing ``accumulate``, it *is* ``tx.update`` followed by
+  ``optax.apply_updates``: correct whatever the other members do to the
+  updates, at the cost of re-writing the params with zero updates between
+  boundaries (about 2x the fused path's traffic; docs/performance.md).
+  Under ``jax.vmap`` over states the ``lax.cond`` becomes a select: still
+  exact, only the saving is lost.
+
+  Args:
+    tx: any optax transformation; ``accumulate(...)`` itself for the fused path.
+    grads: gradient of the microbatch's mean loss, a tree like ``params``.
+    opt_state: the state of ``tx``.
+    params: the current params (required: they are what is updated).
+    **extra_args: forwarded to ``tx.update`` (``weight``, ``flush``, ``value``,
+      and extra args of the inner optimizer).
+
+  Returns:
+    ``(new_params, new_opt_state)``, each with the structure and dtypes of its
+    input (params cast like ``params``, as ``optax.apply_updates`` does).
+
+  Raises:
+    ValueError: if ``params`` is None on the fused path; otherwise what
+      ``tx.update`` raises.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for g, w in ((jnp.array([1., 3.]), 1), (jnp.array([4., 0.]), 3)):
+    ...   params, state = optax_accum.update_and_apply(tx, {'w': g}, state, params, weight=w)
+    >>> params['w']  # 1 - (1 * [1, 3] + 3 * [4, 0]) / 4
+    Array([-2.25, 0.25], dtype=float32)
+  """
+  if isinstance(tx, Accumulation):
+    return tx.update_and_apply(grads, opt_state, params, **extra_args)
+  pitfalls.check_state(opt_state, AccumulationState)  # what sits around accumulate
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  return optax.apply_updates(params, updates), opt_state

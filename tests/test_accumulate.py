@@ -121,7 +121,7 @@ def test_one_window_equals_one_full_batch_step(data, opt, x64):
     chex.assert_trees_all_equal_dtypes(u, params)
     assert_exact_zeros(between)
     assert int(state.num_updates) == 1 and int(state.num_skipped) == 0
-    assert float(state.weight_sum) == 0 and int(state.mini_step) == 0
+    assert float(state.window.weight_sum) == 0 and int(state.mini_step) == 0
 
 
 # ----------------------------------------------------------------------------- optax baselines
@@ -278,7 +278,7 @@ def test_masked_nodes_inside_optax_masked():
   s = tx.init(p)
   assert isinstance(optax_accum.metrics(s).mini_step, jax.Array)
   # The accumulate sees optax.MaskedNode where the mask is False.
-  inner_acc = optax_accum._state.find_state(s).acc
+  inner_acc = optax_accum._state.find_state(s).window.grad_sum
   assert isinstance(inner_acc["b"], optax.MaskedNode)
   step = jax.jit(lambda g, s, p, w: tx.update(g, s, p, weight=w))
   g1 = {"theta": jnp.array([1.0, 2.0, 3.0]), "b": jnp.array(4.0)}
@@ -392,7 +392,7 @@ def test_every_k_schedule_of_num_updates():
   step = make_step(tx)
   p = {"w": jnp.zeros(())}
   s = tx.init(p)
-  assert int(s.every_k) == -1
+  assert int(s.every_k) == 0  # no fixed window length
   updated = []
   for i in range(12):
     _, s, p = call(step, {"w": jnp.float32(-(i + 1))}, s, p, weight=1.0)
@@ -538,7 +538,7 @@ def test_accumulator_and_update_dtypes(grad_dtype, x64, acc_dtype):
     tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
     p = {"w": jnp.zeros(2, grad_dtype)}
     s = tx.init(p)
-    assert s.acc["w"].dtype == acc_dtype
+    assert s.window.grad_sum["w"].dtype == acc_dtype
     step = make_step(tx)
     g1 = {
       "w": jnp.asarray([1.0, 2.0], grad_dtype) * (1 + 1j if "complex" in str(grad_dtype) else 1)
@@ -548,7 +548,7 @@ def test_accumulator_and_update_dtypes(grad_dtype, x64, acc_dtype):
     u2, s, _ = call(step, g2, s, p, weight=3.0)
     chex.assert_trees_all_equal_dtypes(u1, p)
     chex.assert_trees_all_equal_dtypes(u2, p)
-    chex.assert_trees_all_equal_dtypes(s.acc, {"w": jnp.zeros(2, acc_dtype)})
+    chex.assert_trees_all_equal_dtypes(s.window.grad_sum, {"w": jnp.zeros(2, acc_dtype)})
     ref = -(np.asarray(g1["w"], np.complex128) + 3 * np.asarray(g2["w"], np.complex128)) / 4
     if "complex" not in str(grad_dtype):
       ref = ref.real
@@ -604,8 +604,8 @@ def test_empty_window_counts_nothing():
   assert int(s.num_updates) == 0 and int(s.num_skipped) == 0
   assert not bool(s.updated)
   chex.assert_trees_all_equal(s.inner_state, s0.inner_state)
-  assert int(s.mini_step) == 0 and float(s.weight_sum) == 0.0
-  for leaf in jax.tree.leaves(s.acc):
+  assert int(s.mini_step) == 0 and float(s.window.weight_sum) == 0.0
+  for leaf in jax.tree.leaves(s.window.grad_sum):
     assert not np.any(np.isnan(leaf))
   # A later window is unaffected: Adam's first step is -lr * sign(g).
   _, s, _ = call(step, {"w": jnp.array([1.0, -2.0])}, s, p, weight=1.0)
@@ -694,7 +694,7 @@ def test_restored_state_with_other_every_k_under_jit_needs_check_compatible():
   p = {"w": jnp.zeros(2)}
   s = optax_accum.accumulate(optax.sgd(1.0), every_k=4).init(p)
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
-  with pytest.raises(ValueError, match="Resume with the same every_k"):
+  with pytest.raises(ValueError, match="the state has every_k=4, the transformation every_k=2"):
     optax_accum.sharding.check_compatible(tx, p, s)
 
 
@@ -743,3 +743,29 @@ def test_non_numeric_weight_raises(weight):
   params = {"w": jnp.zeros(2)}
   with pytest.raises(TypeError, match="weight must be a number"):
     tx.update({"w": jnp.ones(2)}, tx.init(params), params, weight=weight)
+
+
+def test_public_surface_is_small():
+  # 15 names before the redesign, + Accumulation (the type accumulate returns).
+  assert len(optax_accum.__all__) == len(set(optax_accum.__all__)) <= 16
+  assert all(hasattr(optax_accum, name) for name in optax_accum.__all__)
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    _ = optax_accum.nope
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "abstract_state",
+    "check_compatible",
+    "count_collectives",
+    "StaticLossScale",
+    "apply_if_updated",
+  ],
+)
+def test_removed_top_level_names_are_gone(name):
+  # They live only at their new homes (optax_accum.sharding, optax_accum.testing,
+  # static_loss_scale(...), update_and_apply).
+  assert name not in optax_accum.__all__
+  with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+    getattr(optax_accum, name)

@@ -160,7 +160,7 @@ def test_c3_last_incomplete_window(how):
   assert int(s.num_microbatches) == 10
   # After a flush the window is empty.
   chex.assert_trees_all_equal(s.window_sum, jnp.zeros((), jnp.float32))
-  assert float(s.weight_sum) == 0.0 and int(s.mini_step) == 0
+  assert float(s.window.weight_sum) == 0.0 and int(s.mini_step) == 0
   # A second flush in a row is a no-op.
   u2, state2 = jax.jit(lambda s, p: optax_accum.flush(tx, s, p))(state, w)
   chex.assert_trees_all_equal(u2, jnp.zeros((), jnp.float32))
@@ -268,7 +268,7 @@ def test_c7_low_precision_accumulator():
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=128)
   w = jnp.zeros((), jnp.bfloat16)
   state = tx.init(w)
-  assert state.acc.dtype == jnp.float32
+  assert state.window.grad_sum.dtype == jnp.float32
   step = make_step(tx)
   g_small = jnp.asarray(0.003, jnp.bfloat16)
   assert float(g_small) == pytest.approx(0.0030059814, abs=1e-10)
@@ -320,8 +320,8 @@ def test_c10_nonfinite_microbatch_does_not_poison(scaled):
       assert float(w) == 0.0
       chex.assert_trees_all_equal(state.inner_state, inner_before)
       assert int(state.num_skipped) == 1 and int(state.num_updates) == 0
-      chex.assert_trees_all_equal(state.acc, jnp.zeros((), jnp.float32))
-      assert float(state.weight_sum) == 0.0 and int(state.mini_step) == 0
+      chex.assert_trees_all_equal(state.window.grad_sum, jnp.zeros((), jnp.float32))
+      assert float(state.window.weight_sum) == 0.0 and int(state.mini_step) == 0
   assert_state_finite(state)  # no NaN left behind by the skipped window (issue 11, item 1)
   assert int(state.num_skipped) == 1 and int(state.num_updates) == 2
   # Reference: Adam run on windows 2 and 3 only (window 1 never happened).

@@ -89,7 +89,7 @@ def test_weight_sum_of_large_weights_in_update():
   params = {"w": jnp.zeros(())}
   state = tx.init(params)
   _, state = tx.update({"w": jnp.array(1.0)}, state, params, weight=np.int64(3_000_000_000))
-  assert float(state.weight_sum) == 3e9
+  assert float(state.window.weight_sum) == 3e9
   u, _ = tx.update({"w": jnp.array(5.0)}, state, params, weight=np.int64(1_000_000_000))
   assert float(u["w"]) == -(3 * 1.0 + 1 * 5.0) / 4
 
@@ -146,7 +146,7 @@ def test_float64_accumulator_without_x64_is_a_clear_error():
       optax_accum.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.float64)
   with jax.enable_x64(True):
     tx = optax_accum.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.float64)
-    assert tx.init({"w": jnp.zeros(2, jnp.float32)}).acc["w"].dtype == jnp.float64
+    assert tx.init({"w": jnp.zeros(2, jnp.float32)}).window.grad_sum["w"].dtype == jnp.float64
 
 
 @pytest.mark.parametrize("axis_name", [0, ("data", 1), (), ["data"], b"data"])

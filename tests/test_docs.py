@@ -25,7 +25,7 @@ CHECKS = {
   "scaling.md": [
     (
       "init_sharded",
-      "assert opt_state.acc['w'].sharding.is_equivalent_to(params['w'].sharding, 2)\n"
+      "assert opt_state.window.grad_sum['w'].sharding.is_equivalent_to(params['w'].sharding, 2)\n"
       "assert len(params['w'].sharding.device_set) == 8\n"
       "assert int(optax_accum.metrics(opt_state).mini_step) == 1\n",
     ),

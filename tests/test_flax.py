@@ -78,22 +78,22 @@ def _nnx_accumulated(windows, *, weighted=True, flush_last=False, discard_after=
   traces = []
 
   @nnx.jit
-  def step(model, opt, x, y, mask):
+  def step(model, opt, x, y, mask, flush):
     traces.append(1)
     grads = nnx.grad(_nnx_loss)(model, x, y, mask)
-    opt.update(model, grads, weight=mask.sum() if weighted else 1)
-    return optax_accum.metrics(opt.opt_state), optax_accum.flax.num_updates(opt)
+    opt.update(model, grads, weight=mask.sum() if weighted else 1, flush=flush)
 
-  flush = nnx.jit(optax_accum.flax.flush)
-  discard = nnx.jit(optax_accum.flax.discard)
+  @nnx.jit
+  def discard(opt):
+    opt.opt_state = optax_accum.discard(opt.opt_state)
+
   for i, window in enumerate(windows):
-    for mb in window:
-      m, n = step(model, opt, *mb)
-      assert int(m.num_updates) == int(n)
+    for j, mb in enumerate(window):
+      # flush_last: the last microbatch of the data closes its (partial) window.
+      last = flush_last and i == len(windows) - 1 and j == len(window) - 1
+      step(model, opt, *mb, jnp.asarray(last))
     if discard_after == i:
       discard(opt)
-  if flush_last:
-    flush(opt, model)
   assert len(traces) == 1, "one compilation serves every microstep"
   return model, opt
 
@@ -121,7 +121,7 @@ def test_nnx_accumulated_equals_window_means():
   chex.assert_trees_all_close(_params(model), _params(_nnx_reference(windows)), rtol=2e-5)
   m = optax_accum.metrics(opt.opt_state)
   assert int(opt.step[...]) == 9  # nnx counts microbatches
-  assert int(m.num_updates) == 3 == int(optax_accum.flax.num_updates(opt))
+  assert int(m.num_updates) == 3
   assert int(m.mini_step) == 0 and int(m.num_microbatches) == 9
 
 
@@ -139,8 +139,8 @@ def test_nnx_flush_closes_the_last_partial_window():
   partial = windows[:2] + [windows[2][:2]]
   model, opt = _nnx_accumulated(partial, flush_last=True)
   chex.assert_trees_all_close(_params(model), _params(_nnx_reference(partial)), rtol=2e-5)
-  assert int(opt.step[...]) == 8  # the flush consumed no microbatch
-  assert int(optax_accum.flax.num_updates(opt)) == 3
+  assert int(opt.step[...]) == 8  # the flush came with the last microbatch
+  assert int(optax_accum.metrics(opt.opt_state).num_updates) == 3
 
 
 def test_nnx_discard_drops_the_open_window():
@@ -150,7 +150,7 @@ def test_nnx_discard_drops_the_open_window():
   model, opt = _nnx_accumulated(with_extra, discard_after=1)
   reference = _nnx_reference([windows[0], windows[2]])
   chex.assert_trees_all_close(_params(model), _params(reference), rtol=2e-5)
-  assert int(optax_accum.flax.num_updates(opt)) == 2
+  assert int(optax_accum.metrics(opt.opt_state).num_updates) == 2
 
 
 def _fused_accumulated(windows, *, flush_last=False, discard_after=None):
@@ -161,17 +161,20 @@ def _fused_accumulated(windows, *, flush_last=False, discard_after=None):
   traces = []
 
   @nnx.jit
-  def step(model, opt, x, y, mask):
+  def step(model, opt, x, y, mask, flush):
     traces.append(1)
-    assert opt.update(model, nnx.grad(_nnx_loss)(model, x, y, mask), weight=mask.sum()) is None
+    grads = nnx.grad(_nnx_loss)(model, x, y, mask)
+    assert opt.update(model, grads, weight=mask.sum(), flush=flush) is None
+
+  def discard(opt):
+    opt.opt_state = optax_accum.discard(opt.opt_state)
 
   for i, window in enumerate(windows):
-    for mb in window:
-      step(model, opt, *mb)
+    for j, mb in enumerate(window):
+      last = flush_last and i == len(windows) - 1 and j == len(window) - 1
+      step(model, opt, *mb, jnp.asarray(last))
     if discard_after == i:
-      nnx.jit(lambda opt: opt.discard())(opt)
-  if flush_last:
-    nnx.jit(lambda opt, model: opt.flush(model))(opt, model)
+      discard(opt)  # eagerly here; under nnx.jit in _nnx_accumulated
   assert len(traces) == 1, "one compilation serves every microstep"
   return model, opt
 
@@ -184,7 +187,7 @@ def test_fused_optimizer_equals_window_means_and_counts_updates():
   plain_model, _ = _nnx_accumulated(partial, flush_last=True)  # nnx.Optimizer, tx.update path
   chex.assert_trees_all_close(_params(model), _params(plain_model), rtol=1e-6)
   m = optax_accum.metrics(opt.opt_state)
-  assert int(opt.step[...]) == 3 == int(m.num_updates)  # applied updates, the flush included
+  assert int(opt.step[...]) == 3 == int(m.num_updates)  # applied updates, the flushed one included
   assert int(m.num_microbatches) == 8 and int(m.mini_step) == 0
 
 
@@ -264,17 +267,22 @@ def test_linen_flush_and_discard():
   windows = _windows()
   state = _linen_state(optax_accum.flax.TrainState, optax_accum.accumulate(_inner(), every_k=K))
   step = jax.jit(
-    lambda s, x, y, m: s.apply_gradients(grads=_linen_grad(s, x, y, m), weight=m.sum())
+    lambda s, x, y, m, f: s.apply_gradients(grads=_linen_grad(s, x, y, m), weight=m.sum(), flush=f)
   )
+  no = jnp.asarray(False)
   for mb in windows[0] + windows[1][:1]:
-    state = step(state, *mb)
-  state = jax.jit(lambda s: s.discard())(state)  # drop the open microbatch
-  for mb in windows[2][:2]:
-    state = step(state, *mb)
-  state = jax.jit(lambda s: s.flush())(state)
+    state = step(state, *mb, no)
+  discard = jax.jit(lambda s: s.replace(opt_state=optax_accum.discard(s.opt_state)))
+  state = discard(state)  # drop the open microbatch
+  first, last = windows[2][:2]
+  state = step(state, *first, no)
+  state = step(state, *last, jnp.asarray(True))  # the last microbatch closes the window
   assert int(state.step) == 2
-  state = jax.jit(lambda s: s.flush())(state)  # a second flush is a no-op
+  params = state.params
+  zeros = jax.tree.map(jnp.zeros_like, state.params)  # a flush of the empty window is a no-op
+  state = jax.jit(lambda s: s.apply_gradients(grads=zeros, weight=0.0, flush=True))(state)
   assert int(state.step) == 2
+  chex.assert_trees_all_equal(state.params, params)
   reference = _linen_reference([windows[0], windows[2][:2]])
   chex.assert_trees_all_close(state.params, reference.params, rtol=2e-5)
 

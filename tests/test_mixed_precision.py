@@ -47,8 +47,8 @@ def _all_finite(tree):
 
 def _window_is_reset(state):
   s = optax_accum._state.find_state(state)
-  assert int(s.mini_step) == 0 and float(s.weight_sum) == 0.0
-  for leaf in jax.tree.leaves(s.acc):
+  assert int(s.mini_step) == 0 and float(s.window.weight_sum) == 0.0
+  for leaf in jax.tree.leaves(s.window.grad_sum):
     np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
 
 
@@ -183,7 +183,7 @@ def test_power_of_two_scale_is_bitwise_invisible(rule):
     (ref_state.grad_norm, ref_state.window_loss, ref_state.num_updates),
   )
   if isinstance(rule, optax_accum._loss_scale.DynamicLossScale):
-    assert float(state.loss_scale) == 2.0**15  # grew once per window: the scale did move
+    assert float(state.loss_scale.scale) == 2.0**15  # grew once per window: the scale did move
 
 
 def test_clip_norm_equals_clip_in_inner_chain_and_records_preclip_norm():
@@ -233,14 +233,14 @@ def test_c10_nan_window_skipped_scale_halved_once():
       params = optax.apply_updates(params, updates)
       assert _all_finite((params, updates, state.inner_state))
       if j == 2:  # after the boundary the window holds nothing, NaN included
-        assert _all_finite((state.acc, state.weight_sum, state.value_sum))
+        assert _all_finite((state.window.grad_sum, state.window.weight_sum, state.window.value_sum))
       else:
         assert float(updates) == 0.0  # exact zeros between boundaries, NaN input or not
     if window == 0:
       assert float(params) == 0.0
       chex.assert_trees_all_equal(state.inner_state, init_inner)
       assert (int(state.num_skipped), int(state.num_updates)) == (1, 0)
-      assert float(state.loss_scale) == 2.0**9
+      assert float(state.loss_scale.scale) == 2.0**9
       _window_is_reset(state)
 
   # Reference: windows 2 and 3 alone, each the gradient of its concatenated batch's mean loss.
@@ -281,7 +281,7 @@ def test_overflow_anywhere_in_window_skips_it_and_halves_once(position, bad):
     chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
   chex.assert_trees_all_equal(state.inner_state, init_inner)  # bitwise untouched
   assert (int(state.num_skipped), int(state.num_updates)) == (1, 0)
-  assert float(state.loss_scale) == 2.0**9 and int(state.growth_streak) == 0
+  assert float(state.loss_scale.scale) == 2.0**9 and int(state.loss_scale.growth_streak) == 0
   _window_is_reset(state)
   for g in window2:
     updates, state = _overflow_step(_scaled({"w": jnp.asarray(g)}, state), state, params)
@@ -291,7 +291,7 @@ def test_overflow_anywhere_in_window_skips_it_and_halves_once(position, bad):
   chex.assert_trees_all_close(updates, ref_updates, rtol=1e-6)
   chex.assert_trees_all_close(state.inner_state, ref_inner, rtol=1e-6)
   assert (int(state.num_skipped), int(state.num_updates)) == (1, 1)
-  assert float(state.loss_scale) == 2.0**9  # the clean window did not back off again
+  assert float(state.loss_scale.scale) == 2.0**9  # the clean window did not back off again
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,9 +335,9 @@ def test_dynamic_rule_through_accumulate_hand_table():
     applied += finite
     skipped += not finite
     assert float(updates) == (-2.0 if finite else 0.0)  # the scale never shows in updates
-    assert int(state.growth_streak) == want_streak
+    assert int(state.loss_scale.growth_streak) == want_streak
     assert (int(state.num_updates), int(state.num_skipped)) == (applied, skipped)
-  assert float(state.loss_scale) == 256.0
+  assert float(state.loss_scale.scale) == 256.0
 
 
 def test_long_run_stops_growing_at_max_scale():
@@ -348,7 +348,7 @@ def test_long_run_stops_growing_at_max_scale():
   state = tx.init(params)
   in_force = []
   for _ in range(12):
-    in_force.append(float(state.loss_scale))
+    in_force.append(float(state.loss_scale.scale))
     for _ in range(2):
       updates, state = step(_scaled(1.0, state), state, params, 1.0)
     assert float(updates) == -1.0
@@ -363,11 +363,11 @@ def test_floor_survives_jit_many_overflow_windows():
   state = tx.init(params)
   in_force = []
   for _ in range(14):
-    in_force.append(float(state.loss_scale))
+    in_force.append(float(state.loss_scale.scale))
     for g in (1.0, INF):
       _, state = step(_scaled({"w": jnp.full(3, g)}, state), state, params)
   assert in_force == [1024, 512, 256, 128, 64, 32, 16, 8, 4, 3, 3, 3, 3, 3]
-  assert float(state.loss_scale) == 3.0
+  assert float(state.loss_scale.scale) == 3.0
   assert (int(state.num_skipped), int(state.num_updates)) == (14, 0)
 
 
@@ -381,12 +381,12 @@ def test_static_scale_is_constant_forever():
   for window in range(10):
     for g in (1.0, NAN if window % 3 == 1 else 3.0):
       updates, state = step(_scaled(g, state), state, params, 1.0)
-      assert float(state.loss_scale) == 256.0
+      assert float(state.loss_scale.scale) == 256.0
     params = optax.apply_updates(params, updates)
   m = optax_accum.metrics(state)
   assert (int(m.num_updates), int(m.num_skipped)) == (7, 3)
   assert float(params) == -2.0 * 7
-  assert int(state.growth_streak) == 0
+  assert int(state.loss_scale.growth_streak) == 0
 
 
 def test_empty_flush_with_dynamic_scale_changes_nothing():
@@ -398,15 +398,16 @@ def test_empty_flush_with_dynamic_scale_changes_nothing():
   state = tx.init(params)
   for g in ([1.0, 2.0], [3.0, -4.0]):
     _, state = step(_scaled({"w": jnp.asarray(g)}, state), state, params, 1.0)
-  assert int(state.growth_streak) == 1 and int(state.num_updates) == 1
+  assert int(state.loss_scale.growth_streak) == 1 and int(state.num_updates) == 1
   for _ in range(2):  # an empty window, then again
     before = state
     updates, state = flush(state, params)
     chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
-    keep = ("loss_scale", "growth_streak", "num_updates", "num_skipped", "num_microbatches")
-    for field in keep + ("grad_norm", "inner_state", "window_sum", "weight_sum", "mini_step"):
+    keep = ("loss_scale", "num_updates", "num_skipped", "num_microbatches")  # scale and streak
+    for field in keep + ("grad_norm", "inner_state", "window_sum", "mini_step"):
       chex.assert_trees_all_equal(getattr(state, field), getattr(before, field))
-  assert float(state.loss_scale) == 2.0**10 and not bool(state.updated)
+    chex.assert_trees_all_equal(state.window.weight_sum, before.window.weight_sum)
+  assert float(state.loss_scale.scale) == 2.0**10 and not bool(state.updated)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +423,7 @@ def test_c4_schedule_counts_updates_with_dynamic_scale():
   emitted, in_force = [], []
   for i in range(12):
     if i % 4 == 0:
-      in_force.append(float(state.loss_scale))
+      in_force.append(float(state.loss_scale.scale))
     updates, state = step(_scaled(1.0, state), state, params, 1.0)
     emitted.append(float(updates))
   np.testing.assert_allclose(emitted[3::4], [-0.1, -0.2, -0.3], rtol=1e-6)
@@ -465,7 +466,7 @@ def test_c5b_adamw_counts_windows_with_dynamic_scale():
   chex.assert_trees_all_close(params, ref, rtol=1e-6)
   chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
   assert int(optax.tree.get(state.inner_state, "count")) == 2  # not 6
-  assert float(state.loss_scale) == 2.0**12
+  assert float(state.loss_scale.scale) == 2.0**12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +544,7 @@ def test_fp16_loss_at_scale_2_16_overflows_once_then_backs_off():
   params = jnp.asarray([0.5, 0.5], jnp.float32)
   loss, params1, state = step(params, tx.init(params))
   assert loss.dtype == jnp.float32 and float(loss) == 100.25  # unscaled, no overflow
-  assert (int(state.num_skipped), float(state.loss_scale)) == (1, 2.0**15)
+  assert (int(state.num_skipped), float(state.loss_scale.scale)) == (1, 2.0**15)
   chex.assert_trees_all_equal(params1, params)
   loss, params2, state = step(params1, state)
   assert (int(state.num_updates), int(state.num_skipped)) == (1, 1)
@@ -637,7 +638,7 @@ def test_fp16_grads_whose_sum_overflows_fp16_accumulate_in_float32():
   step = _jit_update(tx)
   params = jnp.zeros((), jnp.float16)
   state = tx.init(params)
-  assert state.acc.dtype == jnp.float32
+  assert state.window.grad_sum.dtype == jnp.float32
   for _ in range(2):  # 60000 + 60000 is inf in fp16
     updates, state = step(jnp.asarray(60000.0, jnp.float16), state, params, 1.0)
   assert updates.dtype == jnp.float16
@@ -662,7 +663,7 @@ def test_updates_have_param_dtype_and_accumulator_is_float32(param_dtype):
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, loss_scale=rule, clip_norm=10.0)
   params = {"a": jnp.zeros(2, param_dtype), "b": jnp.zeros((), jnp.float32)}
   state = tx.init(params)
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.acc))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.window.grad_sum))
   step = _jit_update(tx)
   grads = {"a": jnp.asarray([16.0, 48.0], param_dtype), "b": jnp.float32(32.0)}
   for _ in range(2):
@@ -800,7 +801,7 @@ def test_non_finite_inner_updates_skip_the_window():
   np.testing.assert_array_equal(np.asarray(updates), [0.0, 0.0])
   assert (int(state.num_updates), int(state.num_skipped)) == (0, 1) and not bool(state.updated)
   assert int(state.inner_state[0].count) == 0  # the inner state is untouched
-  assert float(state.loss_scale) == 0.5
+  assert float(state.loss_scale.scale) == 0.5
   assert_state_finite(state)
   updates, state = tx.update(jnp.full(2, 0.5, jnp.float16), state, params)  # 0.5 = 1 * scale
   np.testing.assert_array_equal(np.asarray(updates, np.float32), [-1e4, -1e4])

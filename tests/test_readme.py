@@ -46,7 +46,7 @@ np.testing.assert_allclose(grads["w"], scale * ref_grads["w"], rtol=1e-4)
 # After the scaling block: the state is placed like the params, the batch split 8 ways.
 CHECK_SHARDED = """
 assert len(batch["x"].sharding.device_set) == jax.device_count() == 8
-assert opt_state.acc["w"].sharding.is_equivalent_to(params["w"].sharding, 1)
+assert opt_state.window.grad_sum["w"].sharding.is_equivalent_to(params["w"].sharding, 1)
 assert int(optax_accum.metrics(opt_state).mini_step) == 1
 """
 

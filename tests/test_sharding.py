@@ -60,11 +60,13 @@ def test_init_sharded_places_every_param_shaped_leaf_like_its_param(mode, layout
   tx = optax_accum.accumulate(optax.adamw(1e-3), every_k=4)
   with mesh_context(mode, mesh):
     state = optax_accum.sharding.init_sharded(tx, params)
-  for tree in (state.acc, state.inner_state[0].mu, state.inner_state[0].nu):
+  for tree in (state.window.grad_sum, state.inner_state[0].mu, state.inner_state[0].nu):
     assert_placed_like(tree, params)
-  chex.assert_trees_all_equal(state.acc, jax.tree.map(lambda p: jnp.zeros(p.shape), params))
-  assert state.acc["w"].dtype == jnp.float32  # float32 accumulator of bf16 params
-  for scalar in (state.mini_step, state.weight_sum, state.inner_state[0].count):
+  chex.assert_trees_all_equal(
+    state.window.grad_sum, jax.tree.map(lambda p: jnp.zeros(p.shape), params)
+  )
+  assert state.window.grad_sum["w"].dtype == jnp.float32  # float32 accumulator of bf16 params
+  for scalar in (state.mini_step, state.window.weight_sum, state.inner_state[0].count):
     assert scalar.sharding.is_fully_replicated and scalar.sharding.mesh == mesh
 
 
@@ -84,7 +86,7 @@ def test_jitted_init_places_the_accumulator_like_the_params(mode):
   ctx = jax.set_mesh(mesh) if mode.endswith("set_mesh") else contextlib.nullcontext()
   with ctx:
     state = jax.jit(tx.init)(params)
-  assert_placed_like(state.acc, params)
+  assert_placed_like(state.window.grad_sum, params)
 
 
 def loss_fn(params, batch):
@@ -152,7 +154,7 @@ def test_sharded_run_equals_single_device_run(mode, layout, single_device_run):
   batch_sharding = NamedSharding(mesh, P("data"))
   for batch in batches:
     params, opt_state = step(params, opt_state, jax.device_put(batch, batch_sharding))
-  assert_placed_like(opt_state.acc, params)
+  assert_placed_like(opt_state.window.grad_sum, params)
   assert_placed_like(opt_state.inner_state[0].mu, params)
   assert int(opt_state.num_updates) == 2
   expected = single_device_run[layout]
@@ -174,7 +176,7 @@ def test_fsdp_update_never_gathers_the_accumulator():
   assert sum(counts["outside"].values()) == 0, counts
   assert set(counts["in_conditional"]) <= {"all-reduce"}, counts
   _, new_state = compiled(params, opt_state, params, jnp.float32(3))
-  assert_placed_like(new_state.acc, params)
+  assert_placed_like(new_state.window.grad_sum, params)
   for line in compiled.as_text().splitlines():  # the boundary reduces scalars only
     if re.search(r" all-reduce(-start)?\(", line):
       types = line.split(" = ", 1)[1].split(" all-reduce", 1)[0]
@@ -212,4 +214,4 @@ def test_local_state_on_an_unstacked_state_says_what_to_pass():
   ):
     optax_accum.sharding.local_state(state)
   block = optax_accum.sharding.stacked_state(state)  # the shard_map block of a stacked state
-  assert optax_accum.sharding.local_state(block).acc["w"].shape == (3,)
+  assert optax_accum.sharding.local_state(block).window.grad_sum["w"].shape == (3,)

@@ -58,11 +58,11 @@ def test_helpers_find_the_state_through_wrappers(wrapper):
   before = find_state(state)
   state = jax.jit(optax_accum.discard)(state)
   after = find_state(state)
-  assert int(after.mini_step) == 0 and float(after.weight_sum) == 0.0
-  for leaf in jax.tree.leaves(after.acc):
+  assert int(after.mini_step) == 0 and float(after.window.weight_sum) == 0.0
+  for leaf in jax.tree.leaves(after.window.grad_sum):
     assert np.all(np.asarray(leaf) == 0)
   chex.assert_trees_all_equal(after.inner_state, before.inner_state)
-  assert int(after.num_microbatches) == 2 and float(after.loss_scale) == 128.0
+  assert int(after.num_microbatches) == 2 and float(after.loss_scale.scale) == 128.0
   # The next window holds only its own microbatches: a weight-1 window of 128 * GRADS.
   scaled = jax.tree.map(lambda g: 128.0 * g, GRADS)
   for _ in range(3):
@@ -104,7 +104,7 @@ def test_helpers_through_nnx_optimizer(wrapper):
   assert isinstance(m.mini_step, jax.Array)  # unwrapped from OptArray
   assert float(optax_accum.get_loss_scale(opt.opt_state)) == 128.0
   s = find_state(opt.opt_state)
-  assert float(s.weight_sum) == 7.0
+  assert float(s.window.weight_sum) == 7.0
   for leaf in jax.tree.leaves(s):
     assert isinstance(leaf, jax.Array)
 

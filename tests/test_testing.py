@@ -224,14 +224,6 @@ def test_count_collectives_on_hand_written_hlo():
   }
 
 
-def test_top_level_count_collectives_is_a_deprecated_alias():
-  import optax_accum
-
-  with pytest.warns(DeprecationWarning, match="optax_accum.testing.count_collectives"):
-    counts = optax_accum.count_collectives(HAND_WRITTEN_HLO)
-  assert counts == testing.count_collectives(HAND_WRITTEN_HLO)
-
-
 def test_testing_is_an_attribute_after_import_optax_accum_without_flax():
   # The README spells it `optax_accum.testing.check_equivalence` after `import optax_accum`;
   # a fresh interpreter where flax cannot be imported must still allow that.

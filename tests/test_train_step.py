@@ -1,4 +1,4 @@
-"""Tests of optax_accum/_train_step.py: update_and_apply, the recommended (donated) train step.
+"""Tests of optax_accum/_actions.py: update_and_apply, the recommended (donated) train step.
 
 The fused path (accumulate's own transformation) and the fallback (any other
 tx) against tx.update + optax.apply_updates and against one physical batch.
@@ -177,13 +177,12 @@ def test_members_after_accumulate_change_the_updates_on_both_paths(make):
 
 
 def test_fused_path_only_for_accumulates_own_transformation():
-  from optax_accum._accumulate import fused_update
-
   acc = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
-  assert fused_update(acc) is not None
-  assert fused_update(optax.chain(acc)) is None
-  assert fused_update(_halving_wrapper(acc)) is None
-  assert fused_update(optax.sgd(1.0)) is None
+  assert isinstance(acc, optax_accum.Accumulation) and callable(acc.update_and_apply)
+  assert isinstance(acc, optax.GradientTransformationExtraArgs)
+  for other in (optax.chain(acc), _halving_wrapper(acc), optax.sgd(1.0)):
+    assert not isinstance(other, optax_accum.Accumulation)
+    assert not hasattr(other, "update_and_apply")
 
 
 def test_plain_optimizer_through_update_and_apply():

@@ -1,4 +1,4 @@
-"""Token-budget windows and ramps (optax_accum/_window_weight.py; issue 15).
+"""Token-budget windows and ramps (optax_accum/_window_weight.py, _weight_count.py; issue 15).
 
 Every expectation is computed another way: the window boundaries by a Python
 loop over the token counts, each applied update by one ``jax.grad`` over the
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _window_weight, testing
+from optax_accum import _weight_count, testing
 
 ROWS = 6  # rows (tokens) per padded microbatch
 STEPS = 12  # microbatches per run
@@ -205,16 +205,16 @@ def test_a_window_past_2_24_tokens_is_counted_exactly():
 def test_window_parts_carry_and_count_exactly():
   rng = np.random.default_rng(0)
   weights = [int(np.float32(x)) for x in rng.integers(0, 2**40, size=50)]  # float32 values
-  parts, add = _window_weight.zero_parts(), jax.jit(_window_weight.add_parts)
+  parts, add = _weight_count.zero_parts(), jax.jit(_weight_count.add_parts)
   for w in weights:
     parts = add(parts, jnp.float32(w))
   assert np.all(np.asarray(parts[1:-1]) < 2**12) and float(parts[0]) == 0
-  assert int(_window_weight.count_parts(_window_weight.zeros(), parts)) == sum(weights)
+  assert int(_weight_count.count_parts(_weight_count.zeros(), parts)) == sum(weights)
 
 
 def test_fractional_weights_add_within_float32_rounding():
-  count, exact = _window_weight.zeros(), 0.0
-  add = jax.jit(_window_weight.add)
+  count, exact = _weight_count.zeros(), 0.0
+  add = jax.jit(_weight_count.add)
   for w in [0.25, 0.5, 0.1, 2**30 + 0.75, 0.3, 7.5]:
     count = add(count, jnp.float32(w))
     exact += float(np.float32(w))
@@ -223,16 +223,16 @@ def test_fractional_weights_add_within_float32_rounding():
 
 
 def test_weight_count_carries_and_saturates():
-  count = _window_weight.zeros()
+  count = _weight_count.zeros()
   for _ in range(3):
-    count = _window_weight.add(count, jnp.float32(2**32 - 256))
+    count = _weight_count.add(count, jnp.float32(2**32 - 256))
   assert int(count) == 3 * (2**32 - 256) and int(count.high) == 2
-  big = _window_weight.add(
-    _window_weight.add(count, jnp.float32(2.0**64)), jnp.float32(2.0**64)
+  big = _weight_count.add(
+    _weight_count.add(count, jnp.float32(2.0**64)), jnp.float32(2.0**64)
   )  # saturates, never wraps
   assert int(big) == 2**64 - 1
   for bad in (-5.0, np.nan, np.inf):  # adds nothing
-    assert int(_window_weight.add(count, jnp.float32(bad))) == int(count)
+    assert int(_weight_count.add(count, jnp.float32(bad))) == int(count)
 
 
 def test_metrics_weight_seen_is_a_pytree_under_jit():
@@ -250,7 +250,7 @@ def test_metrics_weight_seen_is_a_pytree_under_jit():
     return m, m.weight_seen.approx()
 
   m, approx = f(state)
-  assert isinstance(m.weight_seen, _window_weight.WeightCount)
+  assert isinstance(m.weight_seen, _weight_count.WeightCount)
   assert (float(m.weight_seen), float(m.window_weight), float(approx)) == (8.0, 4.0, 8.0)
   doubled = jax.tree.map(lambda x: x + x, m.weight_seen)
   assert int(doubled) == 16
@@ -314,13 +314,23 @@ def test_resume_mid_window_with_a_budget_and_the_fingerprint():
   chex.assert_trees_all_equal(restored, straight)
   m = optax_accum.metrics(restored)
   assert (int(m.weight_seen), int(m.window_weight)) == (4 + 3 + 5 + 2 + 6 + 1, 2 + 6 + 1)
-  with pytest.raises(ValueError, match=r"every_k=0 \(-1 means a schedule, 0 none"):
-    optax_accum.sharding.check_compatible(
-      optax_accum.accumulate(optax.adam(1e-2), 4), PARAMS, saved
-    )
-  with pytest.raises(ValueError, match=r"every_k=0 \(-1 means a schedule, 0 none"):
-    zeros = jax.tree.map(jnp.zeros_like, PARAMS)
-    optax_accum.accumulate(optax.adam(1e-2), 4).update(zeros, saved, PARAMS)
+  zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+  # Into every_k=4 without a budget: the budget's sub-state is not in that state's leaves.
+  plain = optax_accum.accumulate(optax.adam(1e-2), 4)
+  with pytest.raises(ValueError, match=r"token_budget\.weight_seen\.low: in the restored state"):
+    optax_accum.sharding.check_compatible(plain, PARAMS, saved)
+  with pytest.raises(ValueError, match=r"the state has the sub-state of window_weight="):
+    plain.update(zeros, saved, PARAMS)
+  # Into every_k=4 with the same budget: the same leaves, another fingerprint.
+  capped = optax_accum.accumulate(optax.adam(1e-2), 4, window_weight=9)
+  fingerprint = (
+    r"the state has no fixed every_k \(a schedule or window_weight\), "
+    r"the transformation every_k=4"
+  )
+  with pytest.raises(ValueError, match=fingerprint):
+    optax_accum.sharding.check_compatible(capped, PARAMS, saved)
+  with pytest.raises(ValueError, match=fingerprint):
+    capped.update(zeros, saved, PARAMS)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -353,7 +363,7 @@ def test_bad_ramp_and_lr_arguments():
     tx.update({"w": jnp.ones(())}, tx.init(params), params)
   with pytest.raises(ValueError, match="reference_weight must be finite and > 0"):
     optax_accum.sqrt_scaled_schedule(1e-3, 8, 0)
-  with pytest.raises(TypeError, match="window_weight must be a number or a callable"):
+  with pytest.raises(TypeError, match=r"window_weight must be a number \(or a callable"):
     optax_accum.sqrt_scaled_schedule(1e-3, "8", 8)
 
 

@@ -1,12 +1,13 @@
-"""Renders the README's performance tables from the microstep benchmark's JSON.
+"""Renders the README's performance tables from the benchmarks' JSON.
 
 The numbers in README.md between ``<!-- microstep-table:begin -->`` and
-``<!-- microstep-table:end -->`` are never edited by hand: run the benchmark,
-then this script.
+``<!-- microstep-table:end -->`` (and the ``eager-table`` markers) are never
+edited by hand: run the benchmarks, then this script.
 
   python benchmarks/microstep.py --sizes 4e6 16e6 --inner adam adamw --every-k 4 16 \\
       --out benchmarks/results/microstep.json
-  python benchmarks/render_tables.py            # rewrites the README block
+  python benchmarks/eager.py --out benchmarks/results/eager.json
+  python benchmarks/render_tables.py            # rewrites the README blocks
   python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
 """
 
@@ -20,8 +21,18 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 JSON = ROOT / "benchmarks" / "results" / "microstep.json"
+EAGER_JSON = ROOT / "benchmarks" / "results" / "eager.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- microstep-table:begin -->", "<!-- microstep-table:end -->"
+EAGER = ("<!-- eager-table:begin -->", "<!-- eager-table:end -->")
+EAGER_ROWS = [
+  ("adam", "plain `optax.adam` update"),
+  ("multisteps", "`optax.MultiSteps(adam, 4)` update"),
+  ("accumulate", "`accumulate(adam, 4)` update"),
+  ("update_and_apply", "`update_and_apply`"),
+  ("flush", "`flush`"),
+  ("metrics", "`metrics`"),
+]
 
 ROWS = [
   ("floor", "floor: `acc += g` alone"),
@@ -107,26 +118,56 @@ def render(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def block(text: str) -> str:
+def render_eager(report: dict[str, Any]) -> str:
+  """The markdown block (without the markers) for an eager benchmark report."""
+  results = report["results"]
+  sizes = [_size(r["num_params"]) for r in results]
+  lines = [
+    "| eager call, ms (x plain adam) | " + " | ".join(f"{s} params" for s in sizes) + " |",
+    "| --- | " + " | ".join("---" for _ in results) + " |",
+  ]
+  for key, label in EAGER_ROWS:
+    cells = [f"{r['ms'][key]:.2f} ({r['over_adam'][key]:.2f}x)" for r in results]
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  m = report["machine"]
+  lines += [
+    "",
+    f"Medians of {results[0]['calls']} calls after a warm-up call, all in one process;"
+    f" {m['cpu_count']}-core {m['processor']}, jax {m['jax']}, optax {m['optax']}. Source:"
+    " `benchmarks/results/eager.json`, rendered by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
+def block(text: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
   """The README's current block between the markers."""
-  start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+  start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
   return text[start:end].strip("\n")
+
+
+def tables() -> list[tuple[tuple[str, str], str]]:
+  """Each README block's markers and the table today's JSON renders to."""
+  return [
+    ((BEGIN, END), render(json.loads(JSON.read_text()))),
+    (EAGER, render_eager(json.loads(EAGER_JSON.read_text()))),
+  ]
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--json", default=str(JSON))
   parser.add_argument("--check", action="store_true", help="exit 1 if the README disagrees")
   args = parser.parse_args(argv)
-  table = render(json.loads(pathlib.Path(args.json).read_text()))
   text = README.read_text()
-  if args.check:
-    if block(text) != table:
-      print("README.md's microstep table differs from the JSON: rerun this script.")
-      return 1
-    return 0
-  start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-  README.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+  for markers, table in tables():
+    if args.check:
+      if block(text, markers) != table:
+        print(f"README.md's block {markers[0]} differs from the JSON: rerun this script.")
+        return 1
+      continue
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
+    text = text[:start] + "\n" + table + "\n" + text[end:]
+  if not args.check:
+    README.write_text(text)
   return 0
 
 

@@ -16,7 +16,6 @@ See docs/design.md for the module map.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +70,6 @@ def microbatched_value_and_grad(
   strided: bool = True,
   axis_name: str | tuple[str, ...] | None = None,
   loss_scale: Any = None,
-  unscale: bool | None = None,
   accumulator_dtype: Any = None,
   noise_scale: bool = False,
 ) -> Callable[..., tuple[Any, PyTree]]:
@@ -142,12 +140,6 @@ def microbatched_value_and_grad(
       the boundary (and skip non-finite steps, adjust a dynamic scale). A
       policy object (``static_loss_scale(...)``) raises ``TypeError``: the
       policy goes to ``accumulate``, its current value here.
-    unscale: ``True`` divides the gradient by ``loss_scale`` here (no
-      ``accumulate`` loss scale follows, e.g. a fixed scale that only guards
-      fp16 gradients against underflow); ``False`` returns the scaled gradient
-      (the convention above). Deprecated default: with ``loss_scale`` and
-      ``unscale`` omitted, the gradient is still divided, with a
-      ``DeprecationWarning``; the next release returns the scaled gradient.
     accumulator_dtype: override of the carry's dtype, as in ``accumulate``.
     noise_scale: also return this batch's gradient noise estimates (McCandlish
       et al. 2018, appendix A; the same code as ``accumulate``'s
@@ -200,17 +192,6 @@ def microbatched_value_and_grad(
     raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
   if accumulator_dtype is not None:
     accumulator_dtype = jnp.dtype(accumulator_dtype)
-  unscale_ = bool(unscale)
-  if loss_scale is not None and unscale is None:
-    warnings.warn(
-      "microbatched_value_and_grad(loss_scale=...) without unscale= divides the gradient by "
-      "the scale; the next release returns the gradient of the scaled loss instead, as "
-      "scaled_value_and_grad does, for accumulate(..., loss_scale=...) to divide out. Pass "
-      "unscale=False for that convention now, or unscale=True to keep dividing here.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    unscale_ = True
 
   def scaled_loss(params, mb, scale, extra, kwargs):
     args = (params, mb, *extra)
@@ -316,9 +297,8 @@ def microbatched_value_and_grad(
       acc, wsum, loss_sum, aux_sum, noise = jax.tree.map(lambda x: x.sum(0), sums)
     elif mode == "shard_map":
       acc, wsum, loss_sum, aux_sum, noise = _mesh.psum_sums(sums, axes)
-    # The one division of the step (by the weight sum, times the scale if unscaling).
-    denom = wsum if (scale is None or not unscale_) else wsum * scale
-    grads = optax.tree.cast_like(_numerics.guarded_divide(acc, denom), params)
+    # The one division of the step (by the weight sum).
+    grads = optax.tree.cast_like(_numerics.guarded_divide(acc, wsum), params)
     if lanes:
       grads = _mesh.like_params(grads, params)
     loss = _numerics.guarded_divide(loss_sum, wsum)

@@ -32,7 +32,7 @@ def scaled_value_and_grad(
   *value* (``optax_accum.get_loss_scale(opt_state)``), returns the unscaled
   loss and the gradient of ``loss * scale``, and never divides. The in-step
   helper follows it: ``microbatched_value_and_grad(loss_fn, K,
-  loss_scale=optax_accum.get_loss_scale(opt_state), unscale=False)`` returns
+  loss_scale=optax_accum.get_loss_scale(opt_state))`` returns
   what this function returns on the whole batch.
 
   Args:

@@ -157,37 +157,36 @@ def test_dropout_keys_fold_in_microbatch_index():
   assert not np.array_equal(other, draws)
 
 
-def test_loss_scale_divided_out_once_and_handed_to_accumulate(token_data):
+def test_loss_scale_gives_the_scaled_gradient_for_accumulate_to_divide_out(token_data):
   params, batch = token_data
   ref_loss, ref_grads = jax.value_and_grad(models.token_loss)(params, batch)
   scale = 1024.0
+  # The convention of scaled_value_and_grad: the loss unscaled, the gradient of loss * scale.
   f = optax_accum.microbatched_value_and_grad(
-    models.token_loss, K, weight_fn=tokens, loss_scale=scale, unscale=True
+    models.token_loss, K, weight_fn=tokens, loss_scale=scale
   )
-  loss, grads = jax.jit(f)(params, batch)
-  chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
+  loss, scaled = jax.jit(f)(params, batch)
+  chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5)
+  scaled_ref = jax.grad(lambda p: scale * models.token_loss(p, batch))(params)
+  chex.assert_trees_all_close(scaled, scaled_ref, rtol=1e-5, atol=1e-4)
+  chex.assert_trees_all_close(scaled, optax.tree.scale(scale, ref_grads), rtol=1e-5, atol=1e-4)
 
-  # unscale=False + accumulate(every_k=1, loss_scale=...): the scale and skip rules.
+  # With accumulate(every_k=1, loss_scale=...): the scale is divided out once, and the skip rules.
   tx = optax_accum.accumulate(
     optax.sgd(1.0), every_k=1, loss_scale=optax_accum.dynamic_loss_scale(init_scale=scale)
-  )
-  g = optax_accum.microbatched_value_and_grad(
-    models.token_loss, K, weight_fn=tokens, loss_scale=scale, unscale=False
   )
 
   @jax.jit
   def step(p, state, b):
     s = optax_accum.get_loss_scale(state)
     mvg = optax_accum.microbatched_value_and_grad(
-      models.token_loss, K, weight_fn=tokens, loss_scale=s, unscale=False
+      models.token_loss, K, weight_fn=tokens, loss_scale=s
     )
     _, grads = mvg(p, b)
     return tx.update(grads, state, p, weight=tokens(b))
 
   updates, state = step(params, tx.init(params), batch)
   chex.assert_trees_all_close(updates, optax.tree.scale(-1.0, ref_grads), rtol=1e-5, atol=1e-7)
-  _, scaled = jax.jit(g)(params, batch)
-  chex.assert_trees_all_close(scaled, optax.tree.scale(scale, ref_grads), rtol=1e-5, atol=1e-4)
   # A non-finite step is skipped by accumulate: params stay, the scale backs off.
   bad = dict(params, out=params["out"].at[0, 0].set(jnp.inf))
   updates, state = step(bad, state, batch)
@@ -327,11 +326,12 @@ def test_strict_dtype_promotion_and_integer_aux(token_data):
 
   with jax.numpy_dtype_promotion("strict"):
     f = optax_accum.microbatched_value_and_grad(
-      loss_fn, K, weight_fn=tokens, has_aux=True, loss_scale=8.0, unscale=True
+      loss_fn, K, weight_fn=tokens, has_aux=True, loss_scale=8.0
     )
     (loss, aux), grads = jax.jit(f)(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(models.token_loss)(params, batch)
-  chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(grads, optax.tree.scale(8.0, ref_grads), rtol=1e-5, atol=1e-6)
   # An integer aux comes back as its float weighted mean: every microbatch has 4 rows.
   chex.assert_trees_all_equal(aux["rows"], jnp.asarray(16 / K, jnp.float32))
 
@@ -351,27 +351,21 @@ def test_python_scalar_aux_leaf_is_averaged_like_an_array():
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
 def test_concrete_bad_loss_scale_raises(scale):
   grad_fn = optax_accum.microbatched_value_and_grad(
-    lambda p, b: (b * p).mean(), 2, loss_scale=scale, unscale=False
+    lambda p, b: (b * p).mean(), 2, loss_scale=scale
   )
   with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
     grad_fn(1.0, jnp.ones(4))
 
 
-def test_loss_scale_old_default_still_divides_with_a_deprecation_warning(token_data):
-  params, batch = token_data
-  ref_loss, ref_grads = jax.value_and_grad(models.token_loss)(params, batch)
-  with pytest.warns(DeprecationWarning, match="unscale=False for that convention"):
-    f = optax_accum.microbatched_value_and_grad(
-      models.token_loss, K, weight_fn=tokens, loss_scale=4.0
-    )
-  chex.assert_trees_all_close(
-    jax.jit(f)(params, batch), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7
-  )
+def test_unscale_is_gone():
+  """The deprecation is finished: the gradient is always that of the scaled loss."""
+  with pytest.raises(TypeError, match="unscale"):
+    optax_accum.microbatched_value_and_grad(lambda p, b: b.mean(), 2, loss_scale=4.0, unscale=True)
 
 
 def test_loss_scale_policy_is_refused_with_the_value_to_pass_instead():
   f = optax_accum.microbatched_value_and_grad(
-    lambda p, b: (b * p).mean(), 2, loss_scale=optax_accum.dynamic_loss_scale(), unscale=False
+    lambda p, b: (b * p).mean(), 2, loss_scale=optax_accum.dynamic_loss_scale()
   )
   with pytest.raises(TypeError, match=r"get_loss_scale\(opt_state\)"):
     f(1.0, jnp.ones(4))

@@ -53,9 +53,8 @@ def test_one_convention_for_in_step_and_across_step(token_data):
   @jax.jit
   def in_step(p, s, b):
     f = optax_accum.microbatched_value_and_grad(
-      models.token_loss, K, weight_fn=tokens,
-      loss_scale=optax_accum.get_loss_scale(s), unscale=False,
-    )  # fmt: skip
+      models.token_loss, K, weight_fn=tokens, loss_scale=optax_accum.get_loss_scale(s)
+    )
     loss, grads = f(p, b)
     return loss, grads, tx.update(grads, s, p, weight=tokens(b))[0]
 

@@ -371,7 +371,7 @@ def test_loss_scale_policy_is_refused_with_the_value_to_pass_instead():
     f(1.0, jnp.ones(4))
 
 
-# In-step on a mesh: one reduction after the scan (issue 13).
+# In-step on a mesh: one reduction after the scan.
 N_DEV = 8
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 

@@ -69,25 +69,15 @@ class _Sums(NamedTuple):
 
 
 class _Mode(NamedTuple):
-  """The steps of one call that depend on where the sums live (:func:`_local`, :func:`_lanes`).
+  """The steps of one call that depend on where the sums live (:func:`_local`, :func:`_lanes`)."""
 
-  Attributes:
-    grads_of: ``(microbatch, k, state) -> (loss, aux, new_state, grads, weight)``.
-    add: :func:`_numerics.weighted_add` (per lane under ``jit`` with ``axis_name``).
-    add_noise: :func:`_noise_scale.add`, likewise.
-    zeros: ``(struct, dtype) -> zeros`` typed and placed like a carry of ``struct``.
-    reduce: the one reduction of the :class:`_Sums` over devices, after the scan.
-    place: the gradient placed like the params.
-    stack: ``(aux, weights)`` stacked per microbatch -> the ``'stack'`` aux.
-  """
-
-  grads_of: Callable
-  add: Callable
-  add_noise: Callable
-  zeros: Callable
-  reduce: Callable
-  place: Callable
-  stack: Callable
+  grads_of: Callable  # (microbatch, k, state) -> (loss, aux, new_state, grads, weight)
+  add: Callable  # _numerics.weighted_add (per lane under jit with axis_name)
+  add_noise: Callable  # _noise_scale.add, likewise
+  zeros: Callable  # (struct, dtype) -> zeros typed and placed like a carry of struct
+  reduce: Callable  # the one reduction of the _Sums over devices, after the scan
+  place: Callable  # grads -> grads placed like the params
+  stack: Callable  # (aux, weights) stacked per microbatch -> the aux_mode='stack' aux
 
 
 def _carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
@@ -213,7 +203,9 @@ def _checked(cfg: _Config) -> _Config:
   return cfg._replace(num_microbatches=k, accumulator_dtype=dtype)
 
 
-def _value_and_grad(cfg: _Config, params: PyTree, batch: PyTree, args: tuple, kwargs: dict):
+def _value_and_grad(
+  cfg: _Config, params: PyTree, batch: PyTree, args: tuple, kwargs: dict
+) -> tuple[Any, PyTree]:
   """One call of ``f``: split, scan, one reduction over devices, one division."""
   name, axes, mesh = _mesh.resolve(cfg.axis_name, batch)
   lanes = _mesh.num_lanes(mesh, axes) if name == "jit" else 0
@@ -229,14 +221,23 @@ def _value_and_grad(cfg: _Config, params: PyTree, batch: PyTree, args: tuple, kw
   state0, args = _take_state(cfg, args)
   key = kwargs.pop("key", None)
   scale = _scale_value(cfg.loss_scale)
-  if lanes:
-    diff_params = _mesh.gather_over(params, mesh, axes)
-    mode = _lanes(_microbatch_fn(cfg, diff_params, scale, args, kwargs, key), params, mesh, axes)
-  else:
-    diff_params = _mesh.to_varying(params, axes) if name == "shard_map" else params
-    mode = _local(_microbatch_fn(cfg, diff_params, scale, args, kwargs, key), name, mesh, axes)
+  one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, args, kwargs, key)
+  mode = _lanes(one, params, mesh, axes) if lanes else _local(one, name, mesh, axes)
   sums, state, stacked = _scan(cfg, mode, micro, state0)
   return _finish(cfg, mode, params, mode.reduce(sums), state, stacked, scale)
+
+
+def _differentiated(params: PyTree, name: str | None, mesh: Any, axes: tuple[str, ...]) -> PyTree:
+  """The params ``jax.grad`` sees: device-varying in ``shard_map``, gathered for ``jit`` lanes.
+
+  Varying, so that ``check_vma`` does not ``psum`` every microbatch's gradient;
+  gathered over the lane axes, because each lane holds a whole partial gradient.
+  """
+  if name == "shard_map":
+    return _mesh.to_varying(params, axes)
+  if name == "jit":
+    return _mesh.gather_over(params, mesh, axes)
+  return params
 
 
 def _take_state(cfg: _Config, args: tuple) -> tuple[Any, tuple]:

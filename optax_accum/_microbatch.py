@@ -16,9 +16,9 @@ See docs/design.md for the module map.
 
 from __future__ import annotations
 
-import warnings
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,89 +27,57 @@ import optax
 
 from optax_accum import _checks, _loss_scale, _noise_scale, _numerics
 from optax_accum import _microbatch_mesh as _mesh
+from optax_accum._microbatch_mesh import split_batch
 
 PyTree = Any
 
 _AUX_MODES = ("mean", "stack")
 
 
-def split_batch(batch: PyTree, num_microbatches: int, *, strided: bool = True) -> PyTree:
-  """Cuts every leaf of ``batch`` on axis 0 into ``num_microbatches`` stacked slices.
+class _Config(NamedTuple):
+  """One ``microbatched_value_and_grad``'s arguments, checked at construction."""
 
-  Strided (default): microbatch ``k`` holds rows ``k, k+K, k+2K, ...``. When
-  the batch is sharded on axis 0 over ``D`` devices and each device's local
-  batch ``B/D`` is divisible by ``K``, every microbatch takes ``B/(D*K)`` rows
-  from every device, so each device keeps its own rows and no data moves.
-  Contiguous (``strided=False``): microbatch ``k`` holds rows
-  ``k*B/K ... (k+1)*B/K - 1``, which lie on a subset of the devices.
+  loss_fn: Callable[..., Any]
+  num_microbatches: int
+  weight_fn: Callable[[PyTree], Any] | None
+  has_aux: bool
+  has_state: bool
+  aux_mode: str
+  strided: bool
+  axis_name: Any
+  loss_scale: Any
+  accumulator_dtype: Any
+  noise_scale: bool
 
-  Args:
-    batch: a pytree whose leaves all have the same leading size ``B``.
-    num_microbatches: ``K``, an int >= 1 dividing ``B``.
-    strided: the row assignment described above.
 
-  Returns:
-    The same pytree with leaves of shape ``[K, B // K, ...]``; microbatch ``k``
-    is ``jax.tree.map(lambda x: x[k], result)``.
+class _Sums(NamedTuple):
+  """The scan's carried sums: all that crosses devices, in the one reduction after the scan.
 
-  Raises:
-    ValueError: if ``K < 1``, the batch has no leaves or a 0-d leaf, the
-      leaves' leading sizes differ, or ``B`` is not divisible by ``K``.
-
-  Examples:
-    >>> from optax_accum import split_batch
-    >>> split_batch(jnp.arange(6), 2)
-    Array([[0, 2, 4],
-           [1, 3, 5]], dtype=int32)
-    >>> split_batch(jnp.arange(6), 2, strided=False)
-    Array([[0, 1, 2],
-           [3, 4, 5]], dtype=int32)
+  Attributes:
+    grads: ``sum_k w_k g_k`` (of the scaled loss), in the accumulator dtype.
+    weight: ``sum_k w_k``.
+    loss: ``sum_k w_k loss_k``.
+    aux: ``sum_k w_k aux_k`` (``aux_mode='mean'``), else None.
+    noise: ``_noise_scale.add``'s sums with ``noise_scale=True``, else ``()``.
   """
-  k = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
-  paths_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-  if not paths_leaves:
-    raise ValueError("The batch has no array leaves to split into microbatches.")
-  sizes = {}
-  for path, leaf in paths_leaves:
-    if np.ndim(leaf) == 0:
-      raise ValueError(
-        f"Batch leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a "
-        "leading batch axis to split. Pass per-call constants as extra arguments instead."
-      )
-    sizes.setdefault(np.shape(leaf)[0], jax.tree_util.keystr(path))
-  if len(sizes) != 1:
-    raise ValueError(
-      f"Batch leaves have different leading (batch) sizes: {sizes}. Every leaf must have "
-      "the same number of rows."
-    )
-  (n,) = sizes
-  if n % k:
-    raise ValueError(
-      f"The batch has {n} rows, which is not divisible by num_microbatches={k}. Use a "
-      f"batch size that is a multiple of {k} (pad it with weight-0 rows, e.g. mask=0)."
-    )
 
-  def split(x):
-    x = jnp.asarray(x)
-    if strided:  # [B/K, K, ...]: each device's rows stay in place.
-      return jnp.swapaxes(x.reshape((n // k, k) + x.shape[1:]), 0, 1)
-    return jax.lax.reshape(x, (k, n // k) + x.shape[1:], out_sharding=_contiguous_sharding(x))
-
-  return jax.tree.map(split, batch)
+  grads: PyTree
+  weight: jax.Array
+  loss: jax.Array
+  aux: PyTree
+  noise: tuple
 
 
-def _contiguous_sharding(x: jax.Array) -> Any:
-  """Output sharding for a contiguous split of a batch with explicit sharding on axis 0.
+class _Mode(NamedTuple):
+  """The steps of one call that depend on where the sums live (:func:`_local`, :func:`_lanes`)."""
 
-  Under ``jax.sharding.AxisType.Explicit`` a reshape that cuts the sharded
-  axis into ``[K, B/K]`` needs its output sharding spelled out; the rows stay
-  sharded within each microbatch (this moves data: use the strided split).
-  """
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if not spec or spec[0] is None:
-    return None
-  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
+  grads_of: Callable  # (microbatch, k, state) -> (loss, aux, new_state, grads, weight)
+  add: Callable  # _numerics.weighted_add (per lane under jit with axis_name)
+  add_noise: Callable  # _noise_scale.add, likewise
+  zeros: Callable  # (struct, dtype) -> zeros typed and placed like a carry of struct
+  reduce: Callable  # the one reduction of the _Sums over devices, after the scan
+  place: Callable  # grads -> grads placed like the params
+  stack: Callable  # (aux, weights) stacked per microbatch -> the aux_mode='stack' aux
 
 
 def _carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
@@ -149,110 +117,47 @@ def microbatched_value_and_grad(
   strided: bool = True,
   axis_name: str | tuple[str, ...] | None = None,
   loss_scale: Any = None,
-  unscale: bool | None = None,
   accumulator_dtype: Any = None,
   noise_scale: bool = False,
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
-  The returned ``f(params, batch, *args, **kwargs)`` splits ``batch`` with
-  :func:`split_batch`, runs ``jax.lax.scan`` over the ``K`` microbatches and
-  returns the value and gradient of the weighted mean loss
-  ``sum_k w_k loss_k / sum_k w_k`` with ``w_k = weight_fn(microbatch_k)``. With
-  ``loss_fn`` returning the mean over examples (or unmasked tokens) and
-  ``w_k`` their count, that is exactly ``jax.value_and_grad(loss_fn)`` on the
-  whole batch, whatever the counts per microbatch (the mean-of-means bug is
-  avoided). Microbatches of weight 0 add nothing (even a NaN); a total weight
-  of 0 gives a zero loss and zero gradients.
-
-  Sums are carried in ``promote_types(dtype, float32)`` (the accumulator rule of
-  :func:`optax_accum.accumulate`); gradients are returned in the params'
-  dtypes, the loss and mean aux in that accumulator dtype.
+  ``f(params, batch, *args, **kwargs)`` runs one ``lax.scan`` over the ``K``
+  microbatches of ``batch`` (:func:`split_batch`): the value and gradient of
+  ``sum_k w_k loss_k / sum_k w_k``, for a mean loss and ``w_k`` its count those of
+  the whole batch. A weight-0 microbatch adds nothing (even a NaN), a total weight
+  of 0 gives zeros. More: docs/in_step.md.
 
   Args:
-    loss_fn: ``loss_fn(params, batch, *args, **kwargs)`` (with ``has_state``:
-      ``loss_fn(params, batch, state, *args, **kwargs)``) returning the MEAN
-      loss over the examples / unmasked tokens of ``batch`` (a scalar), or
-      ``(loss, aux)`` with ``has_aux``. With ``has_state`` it returns
-      ``(loss, new_state)``, or ``(loss, (aux, new_state))`` with ``has_aux``.
-      If the caller passes ``key=`` it is folded with the microbatch index
-      (``jax.random.fold_in(key, k)``) for each call, so dropout masks differ
-      between microbatches and are reproducible.
-    num_microbatches: ``K`` >= 1; the batch size must be divisible by it
-      (checked at trace time).
-    weight_fn: ``weight_fn(microbatch) -> scalar``, the count the microbatch's
-      mean is over (e.g. ``lambda mb: mb['mask'].sum()``). Default: its rows.
+    loss_fn: ``loss_fn(params, mb, *args, **kwargs)`` -> the MEAN loss, or
+      ``(loss, aux)``; with ``has_state``, ``loss_fn(params, mb, state, ...)`` ->
+      ``(loss, new_state)`` or ``(loss, (aux, new_state))``. ``key=`` is folded
+      with the microbatch index (and the lane under ``jit`` with ``axis_name``).
+    num_microbatches: ``K`` >= 1, dividing the batch size.
+    weight_fn: ``weight_fn(mb)``, the count its mean is over. Default: its rows.
     has_aux: as in ``jax.value_and_grad``.
-    has_state: thread non-differentiated state (BatchNorm statistics, RNG
-      counters of a split ``nnx`` model) through the microbatches in order:
-      microbatch ``k`` sees the state microbatch ``k-1`` returned, and ``f``
-      returns the last one.
-    aux_mode: ``'mean'`` (default): aux leaves are combined by the same
-      weighted mean as the loss (so per-microbatch means of a metric combine
-      into the batch mean; integer leaves come back as float).
-      ``'stack'``: aux leaves are stacked per microbatch, shape ``[K, ...]``.
-    strided: microbatch ``k`` takes rows ``k, k+K, ...`` (default; keeps rows
-      on their device under data-parallel sharding when the local batch is
-      divisible by ``K``); ``False`` takes contiguous slices.
-    axis_name: the mesh axis (or tuple of axes) the batch is sharded over.
-      ``f`` then communicates once per call, after the scan, never per
-      microbatch. Inside ``jax.shard_map`` over the axis, ``batch`` is the
-      device's rows; one ``psum`` of the sums (gradient, weight, loss, aux)
-      follows the scan, so the result is weighted by the global weight sum
-      (a device's rows may hold fewer real tokens). Under ``jax.jit`` (call
-      it inside ``with jax.set_mesh(mesh):``, or with Explicit-sharded batch
-      leaves), each microbatch is cut into one lane per device
-      (``loss_fn`` and ``weight_fn`` see ``rows / (K * D)`` rows) and every
-      device keeps its partial sum; the lanes are summed once after the scan
-      (one all-reduce, or reduce-scatter for sharded params, per leaf). The
-      batch size must then be divisible by ``K * D``, ``has_state`` is
-      refused, ``key`` is also folded with the lane index, and ``'stack'``
-      aux is the weighted mean over lanes per microbatch. The carry then
-      holds one gradient-sized partial sum per device (not a shard of one).
-      Default ``None``: no reduction of ours; under ``jit`` with a sharded
-      batch the compiler all-reduces every microbatch's gradient.
-    loss_scale: the loss scale in force: ``None`` or a positive scalar, the
-      number ``optax_accum.get_loss_scale(opt_state)`` returns (may be
-      traced). The same convention as :func:`optax_accum.scaled_value_and_grad`:
-      each microbatch differentiates ``loss * loss_scale`` in float32, the
-      returned loss is unscaled, and the gradient is that of the scaled loss,
-      for ``accumulate(inner, ..., loss_scale=policy)`` to divide out once at
-      the boundary (and skip non-finite steps, adjust a dynamic scale). A
-      policy object (``static_loss_scale(...)``) raises ``TypeError``: the
-      policy goes to ``accumulate``, its current value here.
-    unscale: ``True`` divides the gradient by ``loss_scale`` here (no
-      ``accumulate`` loss scale follows, e.g. a fixed scale that only guards
-      fp16 gradients against underflow); ``False`` returns the scaled gradient
-      (the convention above). Deprecated default: with ``loss_scale`` and
-      ``unscale`` omitted, the gradient is still divided, with a
-      ``DeprecationWarning``; the next release returns the scaled gradient.
-    accumulator_dtype: override of the carry's dtype, as in ``accumulate``.
-    noise_scale: also return this batch's gradient noise estimates (McCandlish
-      et al. 2018, appendix A; the same code as ``accumulate``'s
-      ``noise_scale_decay``): one scalar ``w_k |g_k|^2`` per microbatch (per
-      lane under ``jit`` with ``axis_name``, per device under ``shard_map``:
-      each is a sample), the rest after the scan. Average ``trace`` and
-      ``signal`` over steps (e.g. EMAs) and take their ratio for ``B_simple``.
-      docs/noise_scale.md.
+    has_state: thread state (BatchNorm statistics, NNX RNG counters) through
+      the microbatches in order; ``f`` returns the last one.
+    aux_mode: ``'mean'`` (aux by the loss's weighted mean) or ``'stack'`` (``[K, ...]``).
+    strided: microbatch ``k`` takes rows ``k, k+K, ...``; ``False``: contiguous.
+    axis_name: the mesh axis (or axes) the batch is sharded over: the sums stay
+      per device and are reduced once after the scan, inside ``jax.shard_map``
+      or under ``jax.jit`` with a mesh (then the batch must divide by ``K * D``).
+    loss_scale: ``None`` or the scale in force, ``get_loss_scale(opt_state)``: the
+      loss comes back unscaled, the gradient is that of ``loss * scale`` (as from
+      ``scaled_value_and_grad``), for ``accumulate(..., loss_scale=policy)`` to divide.
+    accumulator_dtype: the carry's dtype; default ``promote_types(dtype, float32)``.
+      Gradients come back in the params' dtypes.
+    noise_scale: also return the batch's ``NoiseEstimate`` (docs/noise_scale.md).
 
   Returns:
-    ``f(params, batch, *args, **kwargs) -> (value, grads)`` with
-    ``jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)``'s output
-    structure: ``value`` is ``loss``, ``(loss, aux)``, ``(loss, new_state)`` or
-    ``(loss, (aux, new_state))``; ``grads`` is a tree like ``params``. With
-    ``noise_scale=True`` the value is ``(value, estimate)``: ``estimate`` an
-    ``NoiseEstimate`` named tuple of 0-d arrays (``trace``, ``signal``:
-    the unbiased estimates of ``tr(Sigma)`` and ``|G|^2``, unscaled, in the
-    weight-sum dtype; ``num_samples``: int32; ``valid``: bool, False for fewer
-    than 2 nonzero-weight samples).
+    ``f -> (value, grads)`` in ``jax.value_and_grad(loss_fn, has_aux=has_aux or
+    has_state)``'s structure; with ``noise_scale``, ``((value, estimate), grads)``.
 
   Raises:
-    TypeError, ValueError: for a bad ``num_microbatches``, ``aux_mode`` or
-      ``noise_scale`` (not a bool) at construction; at trace time for an
-      indivisible batch, a non-scalar loss or weight, a boolean weight, a
-      loss-scale policy or a concrete non-positive or non-finite
-      ``loss_scale``, an ``axis_name`` that is not an axis of the current
-      mesh, or ``has_state`` with a ``jit`` ``axis_name``.
+    TypeError, ValueError: for a bad argument, or when ``f`` is traced for an
+      indivisible batch, a non-scalar loss or weight, a loss-scale policy, a
+      scale not finite and > 0, or an ``axis_name`` the mesh lacks.
 
   Examples:
     >>> import optax_accum
@@ -265,156 +170,226 @@ def microbatched_value_and_grad(
     >>> loss, g = jax.jit(f)(jnp.asarray(0.0), batch)  # second microbatch is all padding
     >>> float(loss), float(g)  # = jax.value_and_grad(loss_fn)(0.0, batch)
     (2.5, -2.0)
-
-  References:
-    Hugging Face, `Fixing gradient accumulation
-    <https://huggingface.co/blog/gradient_accumulation>`_ (2024), on weighting
-    by token counts.
   """
-  k_total = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
-  if aux_mode not in _AUX_MODES:
-    raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
-  if not isinstance(noise_scale, (bool, np.bool_)):
-    raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
-  if accumulator_dtype is not None:
-    accumulator_dtype = jnp.dtype(accumulator_dtype)
-  unscale_ = bool(unscale)
-  if loss_scale is not None and unscale is None:
-    warnings.warn(
-      "microbatched_value_and_grad(loss_scale=...) without unscale= divides the gradient by "
-      "the scale; the next release returns the gradient of the scaled loss instead, as "
-      "scaled_value_and_grad does, for accumulate(..., loss_scale=...) to divide out. Pass "
-      "unscale=False for that convention now, or unscale=True to keep dividing here.",
-      DeprecationWarning,
-      stacklevel=2,
+  cfg = _Config(
+    loss_fn=loss_fn,
+    num_microbatches=num_microbatches,
+    weight_fn=weight_fn,
+    has_aux=has_aux,
+    has_state=has_state,
+    aux_mode=aux_mode,
+    strided=strided,
+    axis_name=axis_name,
+    loss_scale=loss_scale,
+    accumulator_dtype=accumulator_dtype,
+    noise_scale=noise_scale,
+  )
+  cfg = _checked(cfg)
+  return lambda params, batch, *args, **kwargs: _value_and_grad(cfg, params, batch, args, kwargs)
+
+
+def _checked(cfg: _Config) -> _Config:
+  """``cfg`` with ``num_microbatches`` an int and ``accumulator_dtype`` a dtype (or None).
+
+  Raises:
+    TypeError, ValueError: for a bad ``num_microbatches``, ``aux_mode`` or ``noise_scale``.
+  """
+  k = _checks.positive_int(cfg.num_microbatches, "num_microbatches", "slices of the batch")
+  if cfg.aux_mode not in _AUX_MODES:
+    raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {cfg.aux_mode!r}.")
+  if not isinstance(cfg.noise_scale, (bool, np.bool_)):
+    raise TypeError(f"noise_scale must be True or False, got {cfg.noise_scale!r}.")
+  dtype = None if cfg.accumulator_dtype is None else jnp.dtype(cfg.accumulator_dtype)
+  return cfg._replace(num_microbatches=k, accumulator_dtype=dtype)
+
+
+def _value_and_grad(
+  cfg: _Config, params: PyTree, batch: PyTree, args: tuple, kwargs: dict
+) -> tuple[Any, PyTree]:
+  """One call of ``f``: split, scan, one reduction over devices, one division."""
+  name, axes, mesh = _mesh.resolve(cfg.axis_name, batch)
+  lanes = _mesh.num_lanes(mesh, axes) if name == "jit" else 0
+  if lanes and cfg.has_state:
+    raise ValueError(
+      f"has_state=True with axis_name={cfg.axis_name!r} under jax.jit: every device would "
+      "return its own state. Run the step inside jax.shard_map over that axis instead "
+      "(each device then threads its own state)."
     )
-    unscale_ = True
+  micro = split_batch(batch, cfg.num_microbatches, strided=cfg.strided)  # checks and messages
+  if lanes:
+    micro = _mesh.split_lanes(batch, cfg.num_microbatches, lanes, mesh, axes, cfg.strided)
+  state0, args = _take_state(cfg, args)
+  key = kwargs.pop("key", None)
+  scale = _scale_value(cfg.loss_scale)
+  one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, args, kwargs, key)
+  mode = _lanes(one, params, mesh, axes) if lanes else _local(one, name, mesh, axes)
+  sums, state, stacked = _scan(cfg, mode, micro, state0)
+  return _finish(cfg, mode, params, mode.reduce(sums), state, stacked, scale)
 
-  def scaled_loss(params, mb, scale, extra, kwargs):
-    args = (params, mb, *extra)
-    out = loss_fn(*args, **kwargs)
-    if has_state:
-      loss, rest = out
-      aux, state = rest if has_aux else (None, rest)
-    else:
-      loss, aux = out if has_aux else (out, None)
-      state = None
-    loss = jnp.asarray(loss)
-    if loss.ndim != 0:
-      raise ValueError(f"loss_fn must return a scalar mean loss, got shape {loss.shape}.")
-    loss = loss.astype(_numerics.accumulator_dtype(loss.dtype))
-    scaled = loss if scale is None else loss * scale.astype(loss.dtype)
-    return scaled, (loss, aux, state)
 
-  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+def _differentiated(params: PyTree, name: str | None, mesh: Any, axes: tuple[str, ...]) -> PyTree:
+  """The params ``jax.grad`` sees: device-varying in ``shard_map``, gathered for ``jit`` lanes.
 
-  def value_and_grad(params, batch, *args, **kwargs):
-    mode, axes, mesh = _mesh.resolve(axis_name, batch)
-    lanes = _mesh.num_lanes(mesh, axes) if mode == "jit" else 0
-    if lanes and has_state:
-      raise ValueError(
-        f"has_state=True with axis_name={axis_name!r} under jax.jit: every device would "
-        "return its own state. Run the step inside jax.shard_map over that axis instead "
-        "(each device then threads its own state)."
-      )
-    if lanes:
-      split_batch(batch, k_total, strided=strided)  # the same checks and messages first
-      micro = _mesh.split_lanes(batch, k_total, lanes, mesh, axes, strided)
-    else:
-      micro = split_batch(batch, k_total, strided=strided)
-    diff_params = params
-    if mode == "shard_map":
-      diff_params = _mesh.to_varying(params, axes)
-    elif lanes:
-      diff_params = _mesh.gather_over(params, mesh, axes)
-    if has_state:
-      if not args:
-        raise TypeError("has_state=True: call f(params, batch, state, *args, **kwargs).")
-      state0, args = args[0], args[1:]
-    else:
-      state0 = None
-    key = kwargs.pop("key", None)
-    scale = _scale_value(loss_scale)
+  Varying, so that ``check_vma`` does not ``psum`` every microbatch's gradient;
+  gathered over the lane axes, because each lane holds a whole partial gradient.
+  """
+  if name == "shard_map":
+    return _mesh.to_varying(params, axes)
+  if name == "jit":
+    return _mesh.gather_over(params, mesh, axes)
+  return params
 
-    def lane_grads(mb, k, state, lane):
-      kw = dict(kwargs)
-      if key is not None:
-        kw["key"] = jax.random.fold_in(key, k)
-        if lane is not None:
-          kw["key"] = jax.random.fold_in(kw["key"], lane)
-      extra = args if state is None else (state, *args)
-      (_, (loss, aux, new_state)), g = grad_fn(diff_params, mb, scale, extra, kw)
-      w = jax.tree.leaves(mb)[0].shape[0] if weight_fn is None else weight_fn(mb)
-      return loss, aux, new_state, g, _checks.weight(w, "weight_fn(microbatch)")
 
-    def grads_of(mb, k, state):
-      if not lanes:
-        return lane_grads(mb, k, state, None)
-      per_lane = lambda m, d: lane_grads(m, k, None, d)
-      lane_ids = _mesh.lane_indices(lanes, mesh, axes)
-      return jax.vmap(per_lane, spmd_axis_name=axes)(mb, lane_ids)
+def _take_state(cfg: _Config, args: tuple) -> tuple[Any, tuple]:
+  """``(state, rest)``: with ``has_state`` the first extra argument is the threaded state."""
+  if not cfg.has_state:
+    return None, args
+  if not args:
+    raise TypeError("has_state=True: call f(params, batch, state, *args, **kwargs).")
+  return args[0], args[1:]
 
-    add = jax.vmap(_numerics.weighted_add, spmd_axis_name=axes) if lanes else _numerics.weighted_add
 
-    # Trace one microbatch abstractly to size the carry (no compute is staged).
-    mb0 = jax.tree.map(lambda x: x[0], micro)
-    loss_s, aux_s, _, g_s, w_s = jax.eval_shape(grads_of, mb0, 0, state0)
-    zeros = lambda s, dt: _mesh.carry_zeros(s, dt, mesh, axes, lanes)
-    acc0 = jax.tree.map(lambda s: zeros(s, _carry_dtype(s.dtype, accumulator_dtype)), g_s)
-    loss0 = zeros(loss_s, loss_s.dtype)
-    aux0 = None
-    if has_aux and aux_mode == "mean":
-      aux0 = jax.tree.map(lambda s: zeros(s, _carry_dtype(s.dtype)), aux_s)
-    wsum0 = zeros(w_s, _numerics.scalar_dtype())
-    noise0 = ()
-    if noise_scale:  # (sum_k w_k |g_k|^2, samples), one per lane
-      noise0 = tuple(zeros(w_s, z.dtype) for z in _noise_scale.zeros())
-    add_noise = jax.vmap(_noise_scale.add, spmd_axis_name=axes) if lanes else _noise_scale.add
+def _unpack(cfg: _Config, out: Any) -> tuple[Any, Any, Any]:
+  """``loss_fn``'s output as ``(loss, aux, state)``, None for a part it does not return."""
+  if cfg.has_state:
+    loss, rest = out
+    aux, state = rest if cfg.has_aux else (None, rest)
+    return loss, aux, state
+  loss, aux = out if cfg.has_aux else (out, None)
+  return loss, aux, None
 
-    def body(carry, xs):
-      acc, wsum, loss_sum, aux_sum, state, noise = carry
-      k, mb = xs
-      loss, aux, new_state, g, w = grads_of(mb, k, state)
-      if noise:
-        noise = add_noise(noise, acc, g, w)
-      acc = add(acc, g, w)
-      loss_sum = add(loss_sum, loss, w)
-      if aux_sum is not None:
-        aux_sum = add(aux_sum, aux, w)
-      stacked = (aux, w) if (has_aux and aux_mode == "stack") else None
-      return (acc, wsum + w, loss_sum, aux_sum, new_state, noise), stacked
 
-    carry0 = (acc0, wsum0, loss0, aux0, state0, noise0)
-    ks = jnp.arange(k_total, dtype=jnp.int32)
-    (acc, wsum, loss_sum, aux_sum, state, noise), stacked = jax.lax.scan(body, carry0, (ks, micro))
+def _pack(cfg: _Config, loss: Any, aux: Any, state: Any) -> Any:
+  """The value in ``jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)``'s structure."""
+  if cfg.has_state:
+    return (loss, (aux, state)) if cfg.has_aux else (loss, state)
+  return (loss, aux) if cfg.has_aux else loss
 
-    # The one reduction over devices, after the scan.
-    sums = (acc, wsum, loss_sum, aux_sum, noise)
-    if lanes:
-      acc, wsum, loss_sum, aux_sum, noise = jax.tree.map(lambda x: x.sum(0), sums)
-    elif mode == "shard_map":
-      acc, wsum, loss_sum, aux_sum, noise = _mesh.psum_sums(sums, axes)
-    # The one division of the step (by the weight sum, times the scale if unscaling).
-    denom = wsum if (scale is None or not unscale_) else wsum * scale
-    grads = optax.tree.cast_like(_numerics.guarded_divide(acc, denom), params)
-    if lanes:
-      grads = _mesh.like_params(grads, params)
-    loss = _numerics.guarded_divide(loss_sum, wsum)
-    if aux_mode == "stack":
-      aux = None
-      if stacked is not None:
-        aux = _mesh.lane_mean(*stacked) if lanes else stacked[0]
-    else:
-      aux = _numerics.guarded_divide(aux_sum, wsum)
-    if has_state:
-      value = (loss, (aux, state)) if has_aux else (loss, state)
-    else:
-      value = (loss, aux) if has_aux else loss
-    if noise_scale:
-      # |G_B| from the boundary's own norm of the unscaled mean (docs/noise_scale.md).
-      unscaled = wsum if scale is None else wsum * scale
-      norm, _ = _numerics.norm_and_finite(acc, unscaled)
-      value = (value, _noise_scale.estimate(*noise, wsum, norm, scale))
-    return value, grads
 
-  return value_and_grad
+def _scaled_loss(cfg: _Config, params, mb, scale, extra, kwargs):
+  """``(loss * scale, (loss, aux, state))``: the loss in its accumulator dtype, float32 or wider."""
+  loss, aux, state = _unpack(cfg, cfg.loss_fn(params, mb, *extra, **kwargs))
+  loss = jnp.asarray(loss)
+  if loss.ndim != 0:
+    raise ValueError(f"loss_fn must return a scalar mean loss, got shape {loss.shape}.")
+  loss = loss.astype(_numerics.accumulator_dtype(loss.dtype))
+  scaled = loss if scale is None else loss * scale.astype(loss.dtype)
+  return scaled, (loss, aux, state)
+
+
+def _microbatch_fn(cfg: _Config, params, scale, args, kwargs, key) -> Callable:
+  """``one(mb, k, state, lane)``: microbatch ``k``'s ``(loss, aux, new_state, grads, weight)``.
+
+  ``key`` (if any) is folded with ``k``, then with ``lane`` when it is not None.
+  """
+  grad_fn = jax.value_and_grad(functools.partial(_scaled_loss, cfg), has_aux=True)
+
+  def one(mb, k, state, lane):
+    kw = dict(kwargs)
+    if key is not None:
+      kw["key"] = jax.random.fold_in(key, k)
+      if lane is not None:
+        kw["key"] = jax.random.fold_in(kw["key"], lane)
+    extra = args if state is None else (state, *args)
+    (_, (loss, aux, new_state)), g = grad_fn(params, mb, scale, extra, kw)
+    w = jax.tree.leaves(mb)[0].shape[0] if cfg.weight_fn is None else cfg.weight_fn(mb)
+    return loss, aux, new_state, g, _checks.weight(w, "weight_fn(microbatch)")
+
+  return one
+
+
+def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...]) -> _Mode:
+  """No ``axis_name`` (``name`` None), or inside ``shard_map``: one ``psum`` after the scan."""
+  reduce = (lambda sums: _mesh.psum_sums(sums, axes)) if name == "shard_map" else (lambda s: s)
+  return _Mode(
+    grads_of=lambda mb, k, state: one(mb, k, state, None),
+    add=_numerics.weighted_add,
+    add_noise=_noise_scale.add,
+    zeros=lambda struct, dtype: _mesh.carry_zeros(struct, dtype, mesh, axes, 0),
+    reduce=reduce,
+    place=lambda grads: grads,
+    stack=lambda aux, w: aux,
+  )
+
+
+def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...]) -> _Mode:
+  """Under ``jit`` with ``axis_name``: one lane per device, the lanes summed after the scan."""
+  lanes = _mesh.num_lanes(mesh, axes)
+  per_lane = lambda f: jax.vmap(f, spmd_axis_name=axes)
+
+  def grads_of(mb, k, state):  # state is None: has_state is refused here
+    lane_ids = _mesh.lane_indices(lanes, mesh, axes)
+    return per_lane(lambda m, d: one(m, k, None, d))(mb, lane_ids)
+
+  return _Mode(
+    grads_of=grads_of,
+    add=per_lane(_numerics.weighted_add),
+    add_noise=per_lane(_noise_scale.add),
+    zeros=lambda struct, dtype: _mesh.carry_zeros(struct, dtype, mesh, axes, lanes),
+    reduce=lambda sums: jax.tree.map(lambda x: x.sum(0), sums),
+    place=lambda grads: _mesh.like_params(grads, params),
+    stack=_mesh.lane_mean,
+  )
+
+
+def _zero_sums(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any) -> _Sums:
+  """The scan's first sums, sized by tracing one microbatch abstractly (no compute is staged)."""
+  mb0 = jax.tree.map(lambda x: x[0], micro)
+  loss_s, aux_s, _, g_s, w_s = jax.eval_shape(mode.grads_of, mb0, 0, state0)
+  grads = jax.tree.map(lambda s: mode.zeros(s, _carry_dtype(s.dtype, cfg.accumulator_dtype)), g_s)
+  aux = None
+  if cfg.has_aux and cfg.aux_mode == "mean":
+    aux = jax.tree.map(lambda s: mode.zeros(s, _carry_dtype(s.dtype)), aux_s)
+  noise = ()
+  if cfg.noise_scale:  # (sum_k w_k |g_k|^2, samples), one per lane
+    noise = tuple(mode.zeros(w_s, z.dtype) for z in _noise_scale.zeros())
+  weight = mode.zeros(w_s, _numerics.scalar_dtype())
+  return _Sums(grads, weight, mode.zeros(loss_s, loss_s.dtype), aux, noise)
+
+
+def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
+  """``lax.scan`` over the microbatches: ``(sums, last state, stacked (aux, w) or None)``."""
+  stack = cfg.has_aux and cfg.aux_mode == "stack"
+
+  def body(carry, xs):
+    sums, state = carry
+    k, mb = xs
+    loss, aux, new_state, g, w = mode.grads_of(mb, k, state)
+    noise = mode.add_noise(sums.noise, sums.grads, g, w) if sums.noise else ()
+    sums = _Sums(
+      grads=mode.add(sums.grads, g, w),
+      weight=sums.weight + w,
+      loss=mode.add(sums.loss, loss, w),
+      aux=None if sums.aux is None else mode.add(sums.aux, aux, w),
+      noise=noise,
+    )
+    return (sums, new_state), ((aux, w) if stack else None)
+
+  carry0 = (_zero_sums(cfg, mode, micro, state0), state0)
+  ks = jnp.arange(cfg.num_microbatches, dtype=jnp.int32)
+  (sums, state), stacked = jax.lax.scan(body, carry0, (ks, micro))
+  return sums, state, stacked
+
+
+def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scale):
+  """The one division of the step (by the weight sum) and the value's structure."""
+  grads = optax.tree.cast_like(_numerics.guarded_divide(sums.grads, sums.weight), params)
+  loss = _numerics.guarded_divide(sums.loss, sums.weight)
+  if cfg.aux_mode == "stack":
+    aux = None if stacked is None else mode.stack(*stacked)
+  else:
+    aux = _numerics.guarded_divide(sums.aux, sums.weight)
+  value = _pack(cfg, loss, aux, state)
+  if cfg.noise_scale:
+    value = (value, _noise_estimate(sums, scale))
+  return value, mode.place(grads)
+
+
+def _noise_estimate(sums: _Sums, scale: jax.Array | None) -> _noise_scale.NoiseEstimate:
+  """``noise_scale=True``: the batch's noise estimates (one sample per microbatch and lane).
+
+  ``|G_B|`` is the boundary's own norm of the unscaled mean (docs/noise_scale.md).
+  """
+  unscaled = sums.weight if scale is None else sums.weight * scale
+  norm, _ = _numerics.norm_and_finite(sums.grads, unscaled)
+  return _noise_scale.estimate(*sums.noise, sums.weight, norm, scale)

@@ -1,4 +1,7 @@
-"""Where the in-step scan's sums live on a device mesh, and the one reduction after the scan.
+"""How the in-step batch is cut, where the scan's sums live on a mesh, and the one reduction.
+
+:func:`split_batch` cuts a batch into ``K`` microbatches (strided by default,
+so that no row leaves its device).
 
 :func:`optax_accum.microbatched_value_and_grad` with ``axis_name`` keeps every
 device's partial sums (gradient, weight, loss, aux) local for all ``K``
@@ -13,7 +16,7 @@ microbatches and reduces them once, after the ``lax.scan``:
   (:func:`split_lanes`, shape ``[K, D, rows/D, ...]``), the gradient is
   ``jax.vmap``-ed over the lanes with ``spmd_axis_name=axis_name``, and the
   carry holds one partial sum per lane, sharded over the axis
-  (:func:`lane_zeros`). Summing the lanes after the scan is the step's one
+  (:func:`carry_zeros`). Summing the lanes after the scan is the step's one
   all-reduce (or reduce-scatter) per leaf. This is the "leading device axis"
   of MaxText's and levanter's in-step accumulation; JAX 0.10.2's
   ``PartitionSpec(unreduced=...)`` cannot sit in a scan carry (MaxText
@@ -37,7 +40,88 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum import _checks
+
 PyTree = Any
+
+
+def split_batch(batch: PyTree, num_microbatches: int, *, strided: bool = True) -> PyTree:
+  """Cuts every leaf of ``batch`` on axis 0 into ``num_microbatches`` stacked slices.
+
+  Strided (default): microbatch ``k`` holds rows ``k, k+K, k+2K, ...``. When
+  the batch is sharded on axis 0 over ``D`` devices and each device's local
+  batch ``B/D`` is divisible by ``K``, every microbatch takes ``B/(D*K)`` rows
+  from every device, so each device keeps its own rows and no data moves.
+  Contiguous (``strided=False``): microbatch ``k`` holds rows
+  ``k*B/K ... (k+1)*B/K - 1``, which lie on a subset of the devices.
+
+  Args:
+    batch: a pytree whose leaves all have the same leading size ``B``.
+    num_microbatches: ``K``, an int >= 1 dividing ``B``.
+    strided: the row assignment described above.
+
+  Returns:
+    The same pytree with leaves of shape ``[K, B // K, ...]``; microbatch ``k``
+    is ``jax.tree.map(lambda x: x[k], result)``.
+
+  Raises:
+    ValueError: if ``K < 1``, the batch has no leaves or a 0-d leaf, the
+      leaves' leading sizes differ, or ``B`` is not divisible by ``K``.
+
+  Examples:
+    >>> from optax_accum import split_batch
+    >>> split_batch(jnp.arange(6), 2)
+    Array([[0, 2, 4],
+           [1, 3, 5]], dtype=int32)
+    >>> split_batch(jnp.arange(6), 2, strided=False)
+    Array([[0, 1, 2],
+           [3, 4, 5]], dtype=int32)
+  """
+  k = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
+  paths_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not paths_leaves:
+    raise ValueError("The batch has no array leaves to split into microbatches.")
+  sizes = {}
+  for path, leaf in paths_leaves:
+    if np.ndim(leaf) == 0:
+      raise ValueError(
+        f"Batch leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a "
+        "leading batch axis to split. Pass per-call constants as extra arguments instead."
+      )
+    sizes.setdefault(np.shape(leaf)[0], jax.tree_util.keystr(path))
+  if len(sizes) != 1:
+    raise ValueError(
+      f"Batch leaves have different leading (batch) sizes: {sizes}. Every leaf must have "
+      "the same number of rows."
+    )
+  (n,) = sizes
+  if n % k:
+    raise ValueError(
+      f"The batch has {n} rows, which is not divisible by num_microbatches={k}. Use a "
+      f"batch size that is a multiple of {k} (pad it with weight-0 rows, e.g. mask=0)."
+    )
+
+  def split(x):
+    x = jnp.asarray(x)
+    if strided:  # [B/K, K, ...]: each device's rows stay in place.
+      return jnp.swapaxes(x.reshape((n // k, k) + x.shape[1:]), 0, 1)
+    return jax.lax.reshape(x, (k, n // k) + x.shape[1:], out_sharding=_contiguous_sharding(x))
+
+  return jax.tree.map(split, batch)
+
+
+def _contiguous_sharding(x: jax.Array) -> Any:
+  """Output sharding for a contiguous split of a batch with explicit sharding on axis 0.
+
+  Under ``jax.sharding.AxisType.Explicit`` a reshape that cuts the sharded
+  axis into ``[K, B/K]`` needs its output sharding spelled out; the rows stay
+  sharded within each microbatch (this moves data: use the strided split).
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if not spec or spec[0] is None:
+    return None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
 
 
 def resolve(axis_name: Any, batch: PyTree) -> tuple[str | None, tuple[str, ...], Any]:

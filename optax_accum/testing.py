@@ -1,4 +1,4 @@
-"""Pre-flight checks that accumulation reproduces one physical batch, and small test models.
+"""Pre-flight checks that accumulation reproduces one physical batch, and HLO collective counts.
 
 :func:`check_equivalence` runs one window both ways (across-step
 :func:`optax_accum.accumulate` and in-step
@@ -6,9 +6,9 @@
 examples as a single physical batch, and reports the differences as a small
 table. Run it once before a long training run: it catches a loss that is not a
 mean, a wrong ``weight``, and batch-dependent layers (BatchNorm).
-
-It also offers small deterministic models and data (fixed seeds), for tests
-and examples. Flax is imported only inside the functions that need it.
+:func:`assert_equivalent` is the same check for a user's own tests, and
+:func:`count_collectives` counts the collectives of a compiled step (outside,
+in conditionals, in loops). Flax is imported only where a model needs it.
 
 See docs/design.md for the module map.
 """
@@ -29,18 +29,6 @@ from optax_accum._accumulate import accumulate
 from optax_accum._collectives import count_collectives
 from optax_accum._metrics import metrics
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
-from optax_accum._testing_models import (
-  linear_regression_data,
-  linear_regression_loss,
-  linear_regression_params,
-  mlp_loss,
-  mlp_params,
-  nnx_mlp,
-  nnx_mlp_loss,
-  token_batch,
-  token_loss,
-  token_params,
-)
 
 __all__ = [
   "BatchDependentLayerWarning",
@@ -50,16 +38,6 @@ __all__ = [
   "batch_dependent_layers",
   "check_equivalence",
   "count_collectives",
-  "linear_regression_data",
-  "linear_regression_params",
-  "linear_regression_loss",
-  "mlp_params",
-  "mlp_loss",
-  "token_batch",
-  "token_params",
-  "token_loss",
-  "nnx_mlp",
-  "nnx_mlp_loss",
 ]
 
 PyTree = Any
@@ -297,10 +275,11 @@ def check_equivalence(
   Examples:
     >>> import optax
     >>> from optax_accum import testing
-    >>> batch = testing.linear_regression_data(num_examples=8)
+    >>> def loss_fn(w, batch):  # mean of 0.5 * (x @ w - y)**2 over the rows
+    ...   return jnp.mean(0.5 * (batch['x'] @ w - batch['y']) ** 2)
+    >>> batch = {'x': jnp.arange(16.0).reshape(8, 2) / 8, 'y': jnp.arange(8.0)}
     >>> report = testing.check_equivalence(
-    ...     testing.linear_regression_loss, testing.linear_regression_params(), batch,
-    ...     optax.adam(1e-3), num_microbatches=4)
+    ...     loss_fn, jnp.zeros(2), batch, optax.adam(1e-3), num_microbatches=4)
     >>> report.passed(), report.num_updates
     (True, 1)
   """
@@ -396,10 +375,15 @@ def assert_equivalent(
   Examples:
     >>> import optax
     >>> from optax_accum import testing
-    >>> batch = testing.token_batch(num_rows=8)
-    >>> _ = testing.assert_equivalent(
-    ...     testing.token_loss, testing.token_params(), batch, optax.sgd(0.1),
+    >>> def loss_fn(w, batch):  # masked mean of 0.5 * (w - y)**2 over the real rows
+    ...   m = batch['mask']
+    ...   return (0.5 * (w - batch['y']) ** 2 * m).sum() / jnp.maximum(m.sum(), 1.0)
+    >>> batch = {'y': jnp.arange(8.0), 'mask': jnp.array([1., 1, 1, 0, 1, 0, 0, 0])}
+    >>> report = testing.assert_equivalent(  # weights 2, 1, 1, 0 per microbatch
+    ...     loss_fn, jnp.asarray(0.5), batch, optax.sgd(0.1),
     ...     num_microbatches=4, weight_fn=lambda mb: mb['mask'].sum())
+    >>> report.weights
+    (2.0, 1.0, 1.0, 0.0)
   """
   report = check_equivalence(
     loss_fn,

@@ -6,6 +6,7 @@ cluster, a checkpoint directory, the demo's source) and is skipped; every
 other block runs. After some blocks a check recomputes the page's claim.
 """
 
+import ast
 import re
 
 import pytest
@@ -71,3 +72,47 @@ def test_docs_page_python_blocks_run_in_order(page, tmp_path):
     assert len(printed) == len(PRINTS[page.name]), out
     for pattern, line in zip(PRINTS[page.name], printed, strict=True):
       assert re.fullmatch(pattern, line), (pattern, line)
+
+
+def _design_rows() -> dict[str, set[str]]:
+  """docs/design.md's module table: module path -> the package modules its imports column names."""
+  rows = {}
+  for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+    cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+    if len(cells) == 3 and re.fullmatch(r"`[\w/]+\.py`", cells[0]):
+      rows[cells[0].strip("`")] = set(re.findall(r"`([\w.]+)`", cells[2]))
+  return rows
+
+
+def _package_imports(path) -> set[str]:
+  """The optax_accum modules ``path`` imports, named relative to the package (``_state``)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("optax_accum"):
+      if node.module == "optax_accum":
+        found.update(a.name for a in node.names)
+      else:
+        found.add(node.module.removeprefix("optax_accum.").removeprefix("flax."))
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names if a.name.startswith("optax_accum.")]
+      found.update(n.removeprefix("optax_accum.") for n in names)
+  return {m for m in found if m.split(".")[0] != "demo"}
+
+
+def test_design_module_map_is_true_to_the_imports():
+  """Every module of the package has a row in docs/design.md whose imports column is its imports."""
+  pkg = ROOT / "optax_accum"
+  skip = {"__main__.py", "flax/__init__.py"}  # the demo's command; the flax re-exports
+  modules = {
+    str(p.relative_to(pkg)): p
+    for p in pkg.rglob("*.py")
+    if "demo" not in p.relative_to(pkg).parts and str(p.relative_to(pkg)) not in skip
+  }
+  rows = _design_rows()
+  assert sorted(rows) == sorted(modules)
+  above: set[str] = set()
+  for name in rows:  # in the table's order
+    imports = _package_imports(modules[name])
+    assert rows[name] == imports, name
+    assert imports <= above, (name, imports - above)  # imports point up the table
+    above.add(name.removesuffix(".py").removeprefix("flax/"))

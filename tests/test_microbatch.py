@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import optax
 import pytest
@@ -25,7 +26,7 @@ def naive_token_loss(params, batch):
 
 @pytest.fixture(scope="module")
 def token_data():
-  return testing.token_params(), testing.token_batch(num_rows=16, seq_len=8)
+  return models.token_params(), models.token_batch(num_rows=16, seq_len=8)
 
 
 @pytest.mark.parametrize("strided", [True, False])
@@ -33,9 +34,9 @@ def test_equals_value_and_grad_over_batch_unequal_tokens(token_data, strided):
   params, batch = token_data
   per_mb = optax_accum.split_batch(batch, K, strided=strided)["mask"].sum(axis=(1, 2))
   assert len(set(np.asarray(per_mb).tolist())) > 1  # the case where weighting matters
-  ref_loss, ref_grads = jax.jit(jax.value_and_grad(testing.token_loss))(params, batch)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(models.token_loss))(params, batch)
   f = optax_accum.microbatched_value_and_grad(
-    testing.token_loss, K, weight_fn=tokens, strided=strided
+    models.token_loss, K, weight_fn=tokens, strided=strided
   )
   chex.clear_trace_counter()
   f = jax.jit(chex.assert_max_traces(f, n=1))
@@ -44,18 +45,18 @@ def test_equals_value_and_grad_over_batch_unequal_tokens(token_data, strided):
   chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_equal_dtypes(grads, params)
   # Same shapes, new data: no retrace, still equal.
-  other = testing.token_batch(num_rows=16, seq_len=8, seed=1)
+  other = models.token_batch(num_rows=16, seq_len=8, seed=1)
   loss, grads = f(params, other)
-  ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, other)
+  ref_loss, ref_grads = jax.value_and_grad(models.token_loss)(params, other)
   chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
 
 
 def test_mean_of_means_would_differ(token_data):
   """The test above can fail: equal weights give a visibly different gradient."""
   params, batch = token_data
-  f = optax_accum.microbatched_value_and_grad(testing.token_loss, K)  # weight = rows
+  f = optax_accum.microbatched_value_and_grad(models.token_loss, K)  # weight = rows
   _, grads = jax.jit(f)(params, batch)
-  _, ref = jax.value_and_grad(testing.token_loss)(params, batch)
+  _, ref = jax.value_and_grad(models.token_loss)(params, batch)
   assert optax.tree.norm(optax.tree.sub(grads, ref)) > 1e-3 * optax.tree.norm(ref)
 
 
@@ -63,7 +64,7 @@ def test_has_aux_weighted_mean_and_stack(token_data):
   params, batch = token_data
 
   def loss_fn(p, b):
-    loss = testing.token_loss(p, b)
+    loss = models.token_loss(p, b)
     logits = p["embed"][b["inputs"]] @ p["out"]
     hit = (jnp.argmax(logits, -1) == b["targets"]).astype(jnp.float32)
     acc = (hit * b["mask"]).sum() / jnp.maximum(b["mask"].sum(), 1.0)
@@ -87,7 +88,7 @@ def test_has_aux_weighted_mean_and_stack(token_data):
 
 def test_zero_token_microbatches_no_nan(token_data):
   params, _ = token_data
-  batch = testing.token_batch(num_rows=8, seq_len=8)
+  batch = models.token_batch(num_rows=8, seq_len=8)
   mask = np.asarray(batch["mask"]).copy()
   mask[1::2] = 0  # strided: microbatch 1 (rows 1, 3, 5, 7) is all padding
   batch = dict(batch, mask=jnp.asarray(mask))
@@ -105,7 +106,7 @@ def test_zero_token_microbatches_no_nan(token_data):
 @pytest.mark.parametrize("inner", [optax.sgd(1.0), optax.adamw(1e-2, weight_decay=1e-2)])
 def test_in_step_and_across_step_give_the_same_update(token_data, inner):
   params, batch = token_data
-  f = optax_accum.microbatched_value_and_grad(testing.token_loss, K, weight_fn=tokens)
+  f = optax_accum.microbatched_value_and_grad(models.token_loss, K, weight_fn=tokens)
 
   @jax.jit
   def in_step(p, b):
@@ -122,19 +123,19 @@ def test_in_step_and_across_step_give_the_same_update(token_data, inner):
   micro = optax_accum.split_batch(batch, K)
   for k in range(K):
     mb = jax.tree.map(lambda x, k=k: x[k], micro)
-    updates, state = microstep(jax.grad(testing.token_loss)(params, mb), state, params, tokens(mb))
+    updates, state = microstep(jax.grad(models.token_loss)(params, mb), state, params, tokens(mb))
   assert int(optax_accum.metrics(state).num_updates) == 1
-  ref = inner.update(jax.grad(testing.token_loss)(params, batch), inner.init(params), params)[0]
+  ref = inner.update(jax.grad(models.token_loss)(params, batch), inner.init(params), params)[0]
   chex.assert_trees_all_close(in_step(params, batch), updates, rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(updates, ref, rtol=1e-5, atol=1e-7)
 
 
 def test_dropout_keys_fold_in_microbatch_index():
-  params, batch = testing.mlp_params(), testing.linear_regression_data(8)
+  params, batch = models.mlp_params(), models.linear_regression_data(8)
   key = jax.random.key(3)
 
   def loss_fn(p, b, *, key):
-    return testing.mlp_loss(p, b, key=key), jax.random.uniform(key)
+    return models.mlp_loss(p, b, key=key), jax.random.uniform(key)
 
   f = jax.jit(optax_accum.microbatched_value_and_grad(loss_fn, K, has_aux=True, aux_mode="stack"))
   (loss, draws), grads = f(params, batch, key=key)
@@ -144,7 +145,7 @@ def test_dropout_keys_fold_in_microbatch_index():
   # The value equals the mean over microbatches with those keys (2 rows each).
   micro = optax_accum.split_batch(batch, K)
   mbs = [jax.tree.map(lambda x, k=k: x[k], micro) for k in range(K)]
-  vg = jax.jit(jax.value_and_grad(testing.mlp_loss))
+  vg = jax.jit(jax.value_and_grad(models.mlp_loss))
   per = [vg(params, mb, key=jax.random.fold_in(key, k))
          for k, mb in enumerate(mbs)]  # fmt: skip
   chex.assert_trees_all_close(loss, sum(v for v, _ in per) / K, rtol=1e-5)
@@ -156,37 +157,36 @@ def test_dropout_keys_fold_in_microbatch_index():
   assert not np.array_equal(other, draws)
 
 
-def test_loss_scale_divided_out_once_and_handed_to_accumulate(token_data):
+def test_loss_scale_gives_the_scaled_gradient_for_accumulate_to_divide_out(token_data):
   params, batch = token_data
-  ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(models.token_loss)(params, batch)
   scale = 1024.0
+  # The convention of scaled_value_and_grad: the loss unscaled, the gradient of loss * scale.
   f = optax_accum.microbatched_value_and_grad(
-    testing.token_loss, K, weight_fn=tokens, loss_scale=scale, unscale=True
+    models.token_loss, K, weight_fn=tokens, loss_scale=scale
   )
-  loss, grads = jax.jit(f)(params, batch)
-  chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
+  loss, scaled = jax.jit(f)(params, batch)
+  chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5)
+  scaled_ref = jax.grad(lambda p: scale * models.token_loss(p, batch))(params)
+  chex.assert_trees_all_close(scaled, scaled_ref, rtol=1e-5, atol=1e-4)
+  chex.assert_trees_all_close(scaled, optax.tree.scale(scale, ref_grads), rtol=1e-5, atol=1e-4)
 
-  # unscale=False + accumulate(every_k=1, loss_scale=...): the scale and skip rules.
+  # With accumulate(every_k=1, loss_scale=...): the scale is divided out once, and the skip rules.
   tx = optax_accum.accumulate(
     optax.sgd(1.0), every_k=1, loss_scale=optax_accum.dynamic_loss_scale(init_scale=scale)
-  )
-  g = optax_accum.microbatched_value_and_grad(
-    testing.token_loss, K, weight_fn=tokens, loss_scale=scale, unscale=False
   )
 
   @jax.jit
   def step(p, state, b):
     s = optax_accum.get_loss_scale(state)
     mvg = optax_accum.microbatched_value_and_grad(
-      testing.token_loss, K, weight_fn=tokens, loss_scale=s, unscale=False
+      models.token_loss, K, weight_fn=tokens, loss_scale=s
     )
     _, grads = mvg(p, b)
     return tx.update(grads, state, p, weight=tokens(b))
 
   updates, state = step(params, tx.init(params), batch)
   chex.assert_trees_all_close(updates, optax.tree.scale(-1.0, ref_grads), rtol=1e-5, atol=1e-7)
-  _, scaled = jax.jit(g)(params, batch)
-  chex.assert_trees_all_close(scaled, optax.tree.scale(scale, ref_grads), rtol=1e-5, atol=1e-4)
   # A non-finite step is skipped by accumulate: params stay, the scale backs off.
   bad = dict(params, out=params["out"].at[0, 0].set(jnp.inf))
   updates, state = step(bad, state, batch)
@@ -199,13 +199,13 @@ def test_nnx_state_threaded_in_order():
   """BatchNorm statistics and dropout RNG counters go through the microbatches in order."""
   from flax import nnx
 
-  model = testing.nnx_mlp(batch_norm=True, dropout_rate=0.5)
+  model = models.nnx_mlp(batch_norm=True, dropout_rate=0.5)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  batch = testing.linear_regression_data(16)
+  batch = models.linear_regression_data(16)
 
   def loss_fn(p, b, rest):
     m = nnx.merge(graphdef, p, rest, copy=True)  # copy: fresh Variables in this trace
-    loss = testing.nnx_mlp_loss(m, b)
+    loss = models.nnx_mlp_loss(m, b)
     return loss, nnx.split(m, nnx.Param, ...)[2]
 
   f = jax.jit(optax_accum.microbatched_value_and_grad(loss_fn, K, has_state=True))
@@ -237,15 +237,15 @@ def test_nnx_state_threaded_in_order():
 
 
 def test_has_state_with_aux():
-  params, batch = testing.linear_regression_params(), testing.linear_regression_data(8)
+  params, batch = models.linear_regression_params(), models.linear_regression_data(8)
 
   def loss_fn(p, b, calls):
-    loss = testing.linear_regression_loss(p, b)
+    loss = models.linear_regression_loss(p, b)
     return loss, ({"loss": loss}, calls + 1)
 
   f = optax_accum.microbatched_value_and_grad(loss_fn, 2, has_aux=True, has_state=True)
   (loss, (aux, calls)), grads = jax.jit(f)(params, batch, jnp.zeros((), jnp.int32))
-  ref_loss, ref_grads = jax.value_and_grad(testing.linear_regression_loss)(params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(models.linear_regression_loss)(params, batch)
   chex.assert_trees_all_close((loss, aux["loss"], grads), (ref_loss, ref_loss, ref_grads),
                               rtol=1e-5)  # fmt: skip
   assert int(calls) == 2
@@ -267,52 +267,52 @@ def test_strided_split_keeps_rows_on_their_device():
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
 @pytest.mark.parametrize("strided", [True, False])
 def test_batch_sharded_over_8_devices(strided, axis_type):
-  batch = testing.linear_regression_data(32)
+  batch = models.linear_regression_data(32)
   batch["mask"] = jnp.asarray(np.random.default_rng(0).integers(0, 2, 32), jnp.float32)
-  params = testing.linear_regression_params()
+  params = models.linear_regression_params()
   mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
   sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
   replicated = jax.device_put(params, NamedSharding(mesh, P()))
   f = optax_accum.microbatched_value_and_grad(
-    testing.linear_regression_loss, 2, weight_fn=tokens, strided=strided
+    models.linear_regression_loss, 2, weight_fn=tokens, strided=strided
   )
   with jax.set_mesh(mesh):
     loss, grads = jax.jit(f)(replicated, sharded)
-  ref = jax.value_and_grad(testing.linear_regression_loss)(params, batch)
+  ref = jax.value_and_grad(models.linear_regression_loss)(params, batch)
   chex.assert_trees_all_close((loss, grads), ref, rtol=1e-5, atol=1e-7)
 
 
 def test_bfloat16_params_float32_carry():
-  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), testing.linear_regression_params())
-  batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), testing.linear_regression_data(16))
-  f = optax_accum.microbatched_value_and_grad(testing.linear_regression_loss, K)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), models.linear_regression_params())
+  batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), models.linear_regression_data(16))
+  f = optax_accum.microbatched_value_and_grad(models.linear_regression_loss, K)
   loss, grads = jax.jit(f)(params, batch)
   chex.assert_trees_all_equal_dtypes(grads, params)
   assert loss.dtype == jnp.float32
   # float32 sum of the bf16 microbatch gradients, rounded once at the end.
   micro = optax_accum.split_batch(batch, K)
-  gs = [jax.grad(testing.linear_regression_loss)(params, jax.tree.map(lambda x, k=k: x[k], micro))
+  gs = [jax.grad(models.linear_regression_loss)(params, jax.tree.map(lambda x, k=k: x[k], micro))
         for k in range(K)]  # fmt: skip
   mean32 = jax.tree.map(lambda *g: sum(x.astype(jnp.float32) for x in g) / K, *gs)
   chex.assert_trees_all_equal(grads, jax.tree.map(lambda x: x.astype(jnp.bfloat16), mean32))
 
 
 def test_errors():
-  params, batch = testing.linear_regression_params(), testing.linear_regression_data(10)
-  f = optax_accum.microbatched_value_and_grad(testing.linear_regression_loss, 4)
+  params, batch = models.linear_regression_params(), models.linear_regression_data(10)
+  f = optax_accum.microbatched_value_and_grad(models.linear_regression_loss, 4)
   with pytest.raises(ValueError, match="10 rows, which is not divisible by num_microbatches=4"):
     jax.jit(f)(params, batch)
   with pytest.raises(ValueError, match="different leading"):
     f(params, {"x": batch["x"], "y": batch["y"][:8]})
   with pytest.raises(ValueError, match=">= 1"):
-    optax_accum.microbatched_value_and_grad(testing.linear_regression_loss, 0)
+    optax_accum.microbatched_value_and_grad(models.linear_regression_loss, 0)
   with pytest.raises(ValueError, match="aux_mode"):
-    optax_accum.microbatched_value_and_grad(testing.linear_regression_loss, 2, aux_mode="sum")
+    optax_accum.microbatched_value_and_grad(models.linear_regression_loss, 2, aux_mode="sum")
   g = optax_accum.microbatched_value_and_grad(lambda p, b: b["y"] * p["b"], 2)
   with pytest.raises(ValueError, match="scalar mean loss"):
     g(params, batch)
   h = optax_accum.microbatched_value_and_grad(
-    testing.linear_regression_loss, 2, weight_fn=lambda mb: mb["y"] > 0
+    models.linear_regression_loss, 2, weight_fn=lambda mb: mb["y"] > 0
   )
   with pytest.raises(TypeError, match="boolean"):
     h(params, batch)
@@ -322,15 +322,16 @@ def test_strict_dtype_promotion_and_integer_aux(token_data):
   params, batch = token_data
 
   def loss_fn(p, b):
-    return testing.token_loss(p, b), {"rows": jnp.asarray(b["mask"].shape[0], jnp.int32)}
+    return models.token_loss(p, b), {"rows": jnp.asarray(b["mask"].shape[0], jnp.int32)}
 
   with jax.numpy_dtype_promotion("strict"):
     f = optax_accum.microbatched_value_and_grad(
-      loss_fn, K, weight_fn=tokens, has_aux=True, loss_scale=8.0, unscale=True
+      loss_fn, K, weight_fn=tokens, has_aux=True, loss_scale=8.0
     )
     (loss, aux), grads = jax.jit(f)(params, batch)
-  ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, batch)
-  chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
+  ref_loss, ref_grads = jax.value_and_grad(models.token_loss)(params, batch)
+  chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(grads, optax.tree.scale(8.0, ref_grads), rtol=1e-5, atol=1e-6)
   # An integer aux comes back as its float weighted mean: every microbatch has 4 rows.
   chex.assert_trees_all_equal(aux["rows"], jnp.asarray(16 / K, jnp.float32))
 
@@ -350,33 +351,27 @@ def test_python_scalar_aux_leaf_is_averaged_like_an_array():
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
 def test_concrete_bad_loss_scale_raises(scale):
   grad_fn = optax_accum.microbatched_value_and_grad(
-    lambda p, b: (b * p).mean(), 2, loss_scale=scale, unscale=False
+    lambda p, b: (b * p).mean(), 2, loss_scale=scale
   )
   with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
     grad_fn(1.0, jnp.ones(4))
 
 
-def test_loss_scale_old_default_still_divides_with_a_deprecation_warning(token_data):
-  params, batch = token_data
-  ref_loss, ref_grads = jax.value_and_grad(testing.token_loss)(params, batch)
-  with pytest.warns(DeprecationWarning, match="unscale=False for that convention"):
-    f = optax_accum.microbatched_value_and_grad(
-      testing.token_loss, K, weight_fn=tokens, loss_scale=4.0
-    )
-  chex.assert_trees_all_close(
-    jax.jit(f)(params, batch), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7
-  )
+def test_unscale_is_gone():
+  """The deprecation is finished: the gradient is always that of the scaled loss."""
+  with pytest.raises(TypeError, match="unscale"):
+    optax_accum.microbatched_value_and_grad(lambda p, b: b.mean(), 2, loss_scale=4.0, unscale=True)
 
 
 def test_loss_scale_policy_is_refused_with_the_value_to_pass_instead():
   f = optax_accum.microbatched_value_and_grad(
-    lambda p, b: (b * p).mean(), 2, loss_scale=optax_accum.dynamic_loss_scale(), unscale=False
+    lambda p, b: (b * p).mean(), 2, loss_scale=optax_accum.dynamic_loss_scale()
   )
   with pytest.raises(TypeError, match=r"get_loss_scale\(opt_state\)"):
     f(1.0, jnp.ones(4))
 
 
-# In-step on a mesh: one reduction after the scan (issue 13).
+# In-step on a mesh: one reduction after the scan.
 N_DEV = 8
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 

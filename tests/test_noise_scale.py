@@ -362,7 +362,7 @@ def test_in_step_matches_the_formulas_with_and_without_loss_scale():
   outs = []
   for scale in (None, 2.0**8):
     f = optax_accum.microbatched_value_and_grad(
-      loss, k, weight_fn=tokens, strided=False, loss_scale=scale, unscale=False, noise_scale=True
+      loss, k, weight_fn=tokens, strided=False, loss_scale=scale, noise_scale=True
     )
     (value, est), _ = jax.jit(f)(params, batch)
     outs.append(est)

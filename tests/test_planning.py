@@ -4,13 +4,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optax_accum
-from optax_accum import planning, testing
+from optax_accum import planning
 from optax_accum.planning import MicrobatchPlan, microbatches_for, parse_bytes, plan_microbatch
 
 SIZES = (3, 32, 32, 1)  # the MLP's widths
@@ -30,12 +31,12 @@ def _mlp_batch(rows, sharding=None):
 def _across_step():
   """One microbatch per call: accumulate(adam, every_k=4), params and state donated."""
   tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
-  params = testing.mlp_params(SIZES)
+  params = models.mlp_params(SIZES)
   abstract = _sds((params, tx.init(params)))
 
   @jax.jit
   def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(testing.mlp_loss)(params, batch)
+    loss, grads = jax.value_and_grad(models.mlp_loss)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params, weight=len(batch["y"]), value=loss)
     return optax.apply_updates(params, updates), opt_state
 
@@ -45,8 +46,8 @@ def _across_step():
 
 def _in_step(num_microbatches=4):
   """The whole batch per call: K microbatches of ``size`` rows in one lax.scan."""
-  params = testing.mlp_params(SIZES)
-  value_and_grad = optax_accum.microbatched_value_and_grad(testing.mlp_loss, num_microbatches)
+  params = models.mlp_params(SIZES)
+  value_and_grad = optax_accum.microbatched_value_and_grad(models.mlp_loss, num_microbatches)
   step = jax.jit(value_and_grad)
   return step, lambda size: (_sds(params), _mlp_batch(num_microbatches * size))
 
@@ -103,8 +104,8 @@ def test_sharded_plan_is_per_device():
     NamedSharding(mesh, PartitionSpec("data")),
     NamedSharding(mesh, PartitionSpec()),
   )
-  params = _sds(testing.mlp_params(SIZES), replicated)
-  step = jax.jit(jax.value_and_grad(testing.mlp_loss), out_shardings=replicated)
+  params = _sds(models.mlp_params(SIZES), replicated)
+  step = jax.jit(jax.value_and_grad(models.mlp_loss), out_shardings=replicated)
   sizes = [512 * 2**i for i in range(6)]
 
   def make_args(size):
@@ -113,10 +114,10 @@ def test_sharded_plan_is_per_device():
   exhaustive = _check_against_exhaustive(step, make_args, sizes, index=3)
   # Per device: each of the 8 devices holds 1/8 of the rows, so its bytes are about those
   # of the same step on one device with 1/8 of the rows.
-  single = jax.jit(jax.value_and_grad(testing.mlp_loss))
+  single = jax.jit(jax.value_and_grad(models.mlp_loss))
   for size in (sizes[0], sizes[-1]):
     one_device = planning.compiled_peak_bytes(
-      single, _sds(testing.mlp_params(SIZES)), _mlp_batch(size // 8)
+      single, _sds(models.mlp_params(SIZES)), _mlp_batch(size // 8)
     )
     np.testing.assert_allclose(exhaustive[size], one_device, rtol=0.01)
 
@@ -251,11 +252,11 @@ def test_microbatches_for():
 
 def test_split_keeps_the_physical_batch_gradient():
   # In-step with the split's num_microbatches gives the gradient of the whole batch.
-  params = testing.mlp_params(SIZES)
-  batch = testing.linear_regression_data(90)
+  params = models.mlp_params(SIZES)
+  batch = models.linear_regression_data(90)
   split = microbatches_for(_plan(50), 90)
-  grad = optax_accum.microbatched_value_and_grad(testing.mlp_loss, split.num_microbatches)
+  grad = optax_accum.microbatched_value_and_grad(models.mlp_loss, split.num_microbatches)
   _, got = jax.jit(grad)(params, batch)
-  want = jax.grad(testing.mlp_loss)(params, batch)
+  want = jax.grad(models.mlp_loss)(params, batch)
   assert split.num_microbatches == 2
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)

@@ -4,6 +4,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import optax
 import pytest
@@ -16,13 +17,13 @@ tokens = lambda mb: mb["mask"].sum()
 
 
 def test_passes_on_mlp_with_unequal_token_weights():
-  batch = testing.linear_regression_data(16)
+  batch = models.linear_regression_data(16)
   batch["mask"] = jnp.asarray(np.random.default_rng(1).integers(0, 2, 16), jnp.float32)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no BatchNorm, no warning
     report = testing.assert_equivalent(
-      testing.mlp_loss,
-      testing.mlp_params(),
+      models.mlp_loss,
+      models.mlp_params(),
       batch,
       optax.adam(1e-3),
       num_microbatches=4,
@@ -65,25 +66,25 @@ def test_c1_mean_of_means_row_is_hand_worked():
 
 def test_detects_a_loss_that_is_not_a_mean():
   """A summed loss makes the weighted microbatches disagree with the batch: the check fails."""
-  batch = testing.linear_regression_data(8)
-  sum_loss = lambda p, b: testing.linear_regression_loss(p, b) * b["y"].shape[0]
+  batch = models.linear_regression_data(8)
+  sum_loss = lambda p, b: models.linear_regression_loss(p, b) * b["y"].shape[0]
   with pytest.raises(AssertionError, match="does not reproduce one physical batch"):
     testing.assert_equivalent(
-      sum_loss, testing.linear_regression_params(), batch, optax.sgd(0.1), num_microbatches=4
+      sum_loss, models.linear_regression_params(), batch, optax.sgd(0.1), num_microbatches=4
     )
 
 
 def test_nnx_mlp_passes_and_batchnorm_fails_with_warning():
-  batch = testing.linear_regression_data(16)
+  batch = models.linear_regression_data(16)
   report = testing.check_equivalence(
-    testing.nnx_mlp_loss, testing.nnx_mlp(), batch, optax.adamw(1e-3), num_microbatches=4
+    models.nnx_mlp_loss, models.nnx_mlp(), batch, optax.adamw(1e-3), num_microbatches=4
   )
   assert report.passed(), str(report)
 
   with pytest.warns(testing.BatchDependentLayerWarning, match="BatchNorm"):
     report = testing.check_equivalence(
-      testing.nnx_mlp_loss,
-      testing.nnx_mlp(batch_norm=True),
+      models.nnx_mlp_loss,
+      models.nnx_mlp(batch_norm=True),
       batch,
       optax.adamw(1e-3),
       num_microbatches=4,
@@ -96,23 +97,23 @@ def test_nnx_mlp_passes_and_batchnorm_fails_with_warning():
 
 
 def test_batchnorm_in_eval_mode_is_not_flagged():
-  model = testing.nnx_mlp(batch_norm=True)
+  model = models.nnx_mlp(batch_norm=True)
   model.eval()  # running averages: per-example, accumulation reproduces the batch
   assert testing.batch_dependent_layers(model) == ()
   report = testing.check_equivalence(
-    testing.nnx_mlp_loss, model, testing.linear_regression_data(8), optax.sgd(1.0),
+    models.nnx_mlp_loss, model, models.linear_regression_data(8), optax.sgd(1.0),
     num_microbatches=2,
   )  # fmt: skip
   assert report.passed(), str(report)
 
 
 def test_linen_batch_stats_collection_warns():
-  variables = {"params": testing.linear_regression_params(), "batch_stats": {"BatchNorm_0": {}}}
+  variables = {"params": models.linear_regression_params(), "batch_stats": {"BatchNorm_0": {}}}
   with pytest.warns(testing.BatchDependentLayerWarning, match="batch_stats/BatchNorm_0"):
     report = testing.check_equivalence(
-      testing.linear_regression_loss,
-      testing.linear_regression_params(),
-      testing.linear_regression_data(8),
+      models.linear_regression_loss,
+      models.linear_regression_params(),
+      models.linear_regression_data(8),
       optax.sgd(1.0),
       num_microbatches=2,
       model=variables,
@@ -129,9 +130,9 @@ def test_difference_tolerance_rule():
 
 
 def test_contiguous_split_reports_its_weights():
-  batch = testing.token_batch(num_rows=8)
+  batch = models.token_batch(num_rows=8)
   report = testing.check_equivalence(
-    testing.token_loss, testing.token_params(), batch, optax.sgd(1.0),
+    models.token_loss, models.token_params(), batch, optax.sgd(1.0),
     num_microbatches=2, weight_fn=tokens, strided=False,
   )  # fmt: skip
   assert report.weights == (float(batch["mask"][:4].sum()), float(batch["mask"][4:].sum()))
@@ -141,18 +142,32 @@ def test_contiguous_split_reports_its_weights():
 def test_indivisible_batch_raises():
   with pytest.raises(ValueError, match="not divisible"):
     testing.check_equivalence(
-      testing.linear_regression_loss,
-      testing.linear_regression_params(),
-      testing.linear_regression_data(10),
+      models.linear_regression_loss,
+      models.linear_regression_params(),
+      models.linear_regression_data(10),
       optax.sgd(1.0),
       num_microbatches=4,
     )
 
 
+def test_ships_only_what_a_users_tests_call():
+  """The toy models live in tests/models.py, not in the package."""
+  assert sorted(testing.__all__) == [
+    "BatchDependentLayerWarning",
+    "Difference",
+    "EquivalenceReport",
+    "assert_equivalent",
+    "batch_dependent_layers",
+    "check_equivalence",
+    "count_collectives",
+  ]
+  assert not hasattr(testing, "token_loss") and not hasattr(testing, "linear_regression_data")
+
+
 def test_models_are_deterministic():
-  a, b = testing.token_batch(seed=3), testing.token_batch(seed=3)
+  a, b = models.token_batch(seed=3), models.token_batch(seed=3)
   assert jax.tree.all(jax.tree.map(lambda x, y: bool((x == y).all()), a, b))
-  assert float(testing.token_batch()["mask"][1].sum()) == 0.0  # an all-padding row
+  assert float(models.token_batch()["mask"][1].sum()) == 0.0  # an all-padding row
 
 
 def test_count_collectives_places_each_collective_by_how_often_it_runs():

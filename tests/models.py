@@ -1,8 +1,7 @@
-"""Small deterministic models and data for tests and examples (``optax_accum.testing``).
+"""Small deterministic models and data for the tests (``import models`` from ``tests/``).
 
-Fixed seeds, tiny sizes. Flax is imported only inside the functions that need it.
-
-See docs/design.md for the module map.
+Fixed seeds, tiny sizes. Flax is imported only inside the functions that need it. Not
+shipped with the package: a user's own tests bring their own model.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ def linear_regression_data(
     ValueError: from NumPy, if ``num_examples``, ``dim`` or ``seed`` is negative.
 
   Examples:
-    >>> from optax_accum.testing import linear_regression_data
     >>> linear_regression_data(5)['x'].shape
     (5, 3)
   """
@@ -59,7 +57,6 @@ def linear_regression_params(dim: int = 3, dtype: Any = jnp.float32) -> dict[str
     ``b = 0.25``.
 
   Examples:
-    >>> from optax_accum.testing import linear_regression_params
     >>> linear_regression_params()['theta']
     Array([ 0.1, -0.2,  0.3], dtype=float32)
   """
@@ -88,9 +85,8 @@ def linear_regression_loss(params: Mapping[str, jax.Array], batch: Mapping[str, 
     A 0-d array in the params' and data's dtype; 0 when ``mask`` is all 0.
 
   Examples:
-    >>> from optax_accum import testing
     >>> p = {'theta': jnp.zeros(3), 'b': jnp.asarray(0.0)}
-    >>> float(testing.linear_regression_loss(p, {'x': jnp.ones((2, 3)), 'y': jnp.array([1., 3.])}))
+    >>> float(linear_regression_loss(p, {'x': jnp.ones((2, 3)), 'y': jnp.array([1., 3.])}))
     2.5
   """
   pred = batch["x"] @ params["theta"] + params["b"]
@@ -109,7 +105,6 @@ def mlp_params(sizes: tuple[int, ...] = (3, 16, 1), *, seed: int = 0) -> list[di
     ``len(sizes) - 1`` layers; ``w`` is ``normal / sqrt(m)``, ``b`` zeros.
 
   Examples:
-    >>> from optax_accum.testing import mlp_params
     >>> [p['w'].shape for p in mlp_params((3, 4, 1))]
     [(3, 4), (4, 1)]
   """
@@ -142,8 +137,7 @@ def mlp_loss(
     is all 0.
 
   Examples:
-    >>> from optax_accum import testing
-    >>> float(testing.mlp_loss(testing.mlp_params(), testing.linear_regression_data())) > 0
+    >>> float(mlp_loss(mlp_params(), linear_regression_data())) > 0
     True
   """
   h = batch["x"]
@@ -180,7 +174,6 @@ def token_batch(
     ValueError: from NumPy, if ``vocab < 2`` or a size or the seed is negative.
 
   Examples:
-    >>> from optax_accum.testing import token_batch
     >>> token_batch(4, seq_len=6)['mask'].sum(axis=1)[:2]  # a full row, an empty row
     Array([6., 0.], dtype=float32)
   """
@@ -208,7 +201,6 @@ def token_params(vocab: int = 11, dim: int = 8, *, seed: int = 0) -> dict[str, j
     ``embed`` standard normal, ``out`` normal / ``sqrt(dim)``.
 
   Examples:
-    >>> from optax_accum.testing import token_params
     >>> token_params()['out'].shape
     (8, 11)
   """
@@ -231,8 +223,7 @@ def token_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]) 
     A 0-d float32 array, in nats per unmasked token.
 
   Examples:
-    >>> from optax_accum import testing
-    >>> float(testing.token_loss(testing.token_params(), testing.token_batch())) > 0
+    >>> float(token_loss(token_params(), token_batch())) > 0
     True
   """
   logits = params["embed"][batch["inputs"]] @ params["out"]
@@ -267,9 +258,8 @@ def nnx_mlp(
     ImportError: if ``flax`` is not installed.
 
   Examples:
-    >>> from optax_accum import testing
-    >>> model = testing.nnx_mlp(batch_norm=True)
-    >>> testing.batch_dependent_layers(model)
+    >>> from optax_accum.testing import batch_dependent_layers
+    >>> batch_dependent_layers(nnx_mlp(batch_norm=True))
     ('bn',)
   """
   from flax import nnx
@@ -305,8 +295,7 @@ def nnx_mlp_loss(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
     ``mask`` is all 0.
 
   Examples:
-    >>> from optax_accum import testing
-    >>> float(testing.nnx_mlp_loss(testing.nnx_mlp(), testing.linear_regression_data())) > 0
+    >>> float(nnx_mlp_loss(nnx_mlp(), linear_regression_data())) > 0
     True
   """
   return _masked_mean(0.5 * (model(batch["x"]) - batch["y"]) ** 2, batch)

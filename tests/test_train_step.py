@@ -185,6 +185,21 @@ def test_fused_path_only_for_accumulates_own_transformation():
     assert not hasattr(other, "update_and_apply")
 
 
+def test_copies_keep_the_fused_step_and_replace_drops_it():
+  """copy/deepcopy give an Accumulation whose fused step still equals update + apply_updates;
+  _replace (a new init or update) gives a plain transformation, so nothing can disagree."""
+  import copy
+
+  acc = optax_accum.accumulate(optax.sgd(1.0), every_k=1)
+  params, g = {"w": jnp.ones(2)}, {"w": jnp.array([0.5, 2.0])}
+  for tx in (copy.copy(acc), copy.deepcopy(acc)):
+    assert isinstance(tx, optax_accum.Accumulation)
+    new, _ = optax_accum.update_and_apply(tx, g, tx.init(params), params)
+    chex.assert_trees_all_equal(new, {"w": jnp.array([0.5, -1.0])})  # 1 - g
+  replaced = acc._replace(update=acc.update)
+  assert type(replaced) is optax.GradientTransformationExtraArgs
+
+
 def test_plain_optimizer_through_update_and_apply():
   """Any tx works: update_and_apply is then exactly tx.update + optax.apply_updates."""
   tx = optax.adam(0.1)

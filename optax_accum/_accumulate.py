@@ -160,8 +160,7 @@ def accumulate(
     >>> import jax.numpy as jnp, optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
     >>> params = {'w': jnp.zeros(2)}
-    >>> state = tx.init(params)
-    >>> u, state = tx.update({'w': jnp.array([1., 1.])}, state, params, weight=3)
+    >>> u, state = tx.update({'w': jnp.array([1., 1.])}, tx.init(params), params, weight=3)
     >>> u['w']  # between boundaries: exact zeros
     Array([0., 0.], dtype=float32)
     >>> u, state = tx.update({'w': jnp.array([5., 5.])}, state, params, weight=1)

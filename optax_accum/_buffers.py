@@ -1,36 +1,20 @@
 """XLA buffer placement: helpers that change where values live, never what they are.
 
-Nothing here is arithmetic; each helper exists because of how XLA compiles a
-``jax.jit`` step, and each has a test that fails if a JAX upgrade changes that
-behaviour (docs/design.md lists them):
+Each helper exists because of how XLA compiles a ``jax.jit`` step, and has a
+test that fails if a JAX upgrade changes that behaviour:
 
-* :func:`zeros_like_placed` builds the accumulator in ``init``. Under ``jit``,
-  ``jnp.zeros_like(x)`` is a constant with no tie to ``x``, so the compiler puts
-  it on one device (or replicates it under ``jax.set_mesh``) while the params
-  are sharded. Selecting from ``x`` with an all-False mask ties the zeros to
-  ``x``'s sharding; XLA folds the select away, so nothing of ``x`` is read.
-  Caught by ``tests/test_sharding.py`` (the accumulator follows the params
-  under plain ``jax.jit(tx.init)``).
-* :func:`distinct_zeros` writes exact zeros from inside a ``lax.cond``: zero
-  updates for leaves the accumulator cannot hold (see :func:`stash_fits`), and
-  the accumulator's reset after a skipped or empty window. Plain
-  ``jnp.zeros_like`` per leaf gives equal broadcasts, which XLA merges into one
-  buffer; returning one buffer in several outputs of a conditional then costs a
-  full copy per extra leaf. Zeros computed from a traced flag, with a different
-  constant per leaf, stay distinct. Caught by ``tests/test_buffers.py`` (no
-  parameter-sized copy in the compiled step).
-* :class:`UpdatesOut` and :class:`ParamsOut` are the two placements of a
-  step's output, one per :class:`Output` mode. ``Output.UPDATES``
-  (``tx.update``) lets the accumulator's buffer serve twice (the lazy reset):
-  at an applied boundary the inner optimizer's updates are written into it and
-  returned from there, and the window's sum is not zeroed; the next microbatch
-  reads the buffer as zeros because ``mini_step == 0``
-  (``AccumulationState.window_sum``, fused into the pass that adds it). So no
-  microstep writes a separate buffer of zero updates (a gradient-sized
-  temporary that XLA:CPU allocates, and the kernel page-faults in, on every
-  call). ``Output.PARAMS`` (:func:`optax_accum.update_and_apply`) returns the
-  params, untouched between boundaries and written by the inner optimizer's
-  last pass at one. Caught by ``tests/test_buffers.py``.
+* :func:`zeros_like_placed` (``init``): ``jnp.zeros_like`` under ``jit`` is a
+  constant the compiler places on one device; selecting from ``x`` with an
+  all-False mask ties the zeros to ``x``'s sharding (``tests/test_sharding.py``).
+* :func:`distinct_zeros` writes zeros from inside a ``lax.cond``: equal
+  broadcasts would be merged into one buffer, and one buffer in several outputs
+  costs a copy per extra leaf (``tests/test_buffers.py``).
+* :class:`UpdatesOut` (``Output.UPDATES``, ``tx.update``): the lazy reset. The
+  updates are written into the accumulator's buffer and returned from there; the
+  next microbatch reads it as zeros because ``mini_step == 0``, so no microstep
+  writes a gradient-sized buffer of zeros. :class:`ParamsOut`
+  (``Output.PARAMS``, :func:`optax_accum.update_and_apply`) returns the params,
+  written by the inner optimizer's last pass (``tests/test_buffers.py``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The shared argument checks: one helper per kind of check, each naming the argument.
 
-Feature-specific checks live beside their feature (the token budget's in
-``_window_weight``, the loss scale's in ``_loss_scale``, ``accumulate``'s own
-options in ``_accumulate``); what several features share is here: a real
-number, a positive int, a boolean flag, an axis name, and the microbatch
-weight (used by :func:`optax_accum.accumulate` and the in-step
-:func:`optax_accum.microbatched_value_and_grad`). Each raises ``TypeError`` or
-``ValueError`` at trace time; none costs anything in the compiled step.
+Feature-specific checks live beside their feature; what several share is here.
+Each raises ``TypeError`` or ``ValueError`` at trace time, free in the compiled step.
 """
 
 from __future__ import annotations

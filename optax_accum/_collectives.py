@@ -1,17 +1,10 @@
 """``count_collectives``: how often a compiled step communicates, read from its HLO text.
 
-A test tool (exported by :mod:`optax_accum.testing`). XLA's compiled HLO text
-lists computations; a ``while`` names its ``body=`` and ``condition=``
-computations, a ``conditional`` its branches, and other instructions the
-computations they call (``calls=``, ``to_apply=``). A collective in a
-computation reachable from a while body runs once per loop iteration (once per
-microbatch of a ``lax.scan``); one reachable from a branch runs when the branch
-is taken (once per window at :func:`optax_accum.accumulate`'s boundary); one
-elsewhere runs once per call. The format is XLA's and can change between
-releases: ``tests/test_testing.py`` checks the parser on programs whose counts
-are known.
-
-See docs/design.md for the module map.
+A collective reachable from a ``while`` body runs once per iteration (per
+microbatch of a ``lax.scan``), one reachable from a ``conditional`` branch when
+the branch is taken (per window at the boundary), any other once per call.
+XLA's text format can change between releases: ``tests/test_testing.py`` checks
+the parser on programs whose counts are known.
 """
 
 from __future__ import annotations

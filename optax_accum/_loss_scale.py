@@ -24,8 +24,6 @@ from optax_accum import _checks
 
 # The scale lives in a float32 state: anything above this would be inf there.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-# The growth streak lives in an int32 state.
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +137,8 @@ class DynamicLossScale:
           "growth_interval must be an integer >= 1",
         ),
         (
-          v["growth_interval"] <= _INT32_MAX,
-          f"growth_interval must be <= 2**31 - 1 = {_INT32_MAX} (the streak of applied "
+          v["growth_interval"] <= _checks.INT32_MAX,
+          f"growth_interval must be <= 2**31 - 1 = {_checks.INT32_MAX} (the streak of applied "
           f"windows is an int32 counter), got {self.growth_interval}; use a smaller interval",
         ),
         (

@@ -1,17 +1,8 @@
 """In-step accumulation: ``microbatched_value_and_grad`` runs one ``lax.scan`` over microbatches.
 
-Inside one jitted train step the batch is cut into ``K`` microbatches; a
-``lax.scan`` adds ``w_k * grad(loss_k)`` to a float32 (or wider) carry and
-``w_k`` to a weight sum, and divides once at the end. Only one microbatch's
-activations are live at a time, so the step's temporary memory is about ``1/K``
-of the physical batch's activations plus one gradient-sized carry.
-
-The sums and the division are :mod:`optax_accum._numerics`'s
-(``weighted_add``, ``guarded_divide``, ``accumulator_dtype``; ``_checks.weight``),
-the same code the across-step :func:`optax_accum.accumulate` runs, so both
-paths round the same way and an empty (all-padding) batch gives zeros, not NaN.
-
-See docs/design.md for the module map.
+The sums and the one division are :mod:`optax_accum._numerics`'s, the code the
+across-step :func:`optax_accum.accumulate` runs, so both paths round the same
+way (docs/in_step.md).
 """
 
 from __future__ import annotations
@@ -171,9 +162,14 @@ def microbatched_value_and_grad(
     >>> float(loss), float(g)  # = jax.value_and_grad(loss_fn)(0.0, batch)
     (2.5, -2.0)
   """
+  k = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
+  if aux_mode not in _AUX_MODES:
+    raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
+  if not isinstance(noise_scale, (bool, np.bool_)):
+    raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
   cfg = _Config(
     loss_fn=loss_fn,
-    num_microbatches=num_microbatches,
+    num_microbatches=k,
     weight_fn=weight_fn,
     has_aux=has_aux,
     has_state=has_state,
@@ -181,26 +177,10 @@ def microbatched_value_and_grad(
     strided=strided,
     axis_name=axis_name,
     loss_scale=loss_scale,
-    accumulator_dtype=accumulator_dtype,
+    accumulator_dtype=None if accumulator_dtype is None else jnp.dtype(accumulator_dtype),
     noise_scale=noise_scale,
   )
-  cfg = _checked(cfg)
   return lambda params, batch, *args, **kwargs: _value_and_grad(cfg, params, batch, args, kwargs)
-
-
-def _checked(cfg: _Config) -> _Config:
-  """``cfg`` with ``num_microbatches`` an int and ``accumulator_dtype`` a dtype (or None).
-
-  Raises:
-    TypeError, ValueError: for a bad ``num_microbatches``, ``aux_mode`` or ``noise_scale``.
-  """
-  k = _checks.positive_int(cfg.num_microbatches, "num_microbatches", "slices of the batch")
-  if cfg.aux_mode not in _AUX_MODES:
-    raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {cfg.aux_mode!r}.")
-  if not isinstance(cfg.noise_scale, (bool, np.bool_)):
-    raise TypeError(f"noise_scale must be True or False, got {cfg.noise_scale!r}.")
-  dtype = None if cfg.accumulator_dtype is None else jnp.dtype(cfg.accumulator_dtype)
-  return cfg._replace(num_microbatches=k, accumulator_dtype=dtype)
 
 
 def _value_and_grad(
@@ -228,11 +208,8 @@ def _value_and_grad(
 
 
 def _differentiated(params: PyTree, name: str | None, mesh: Any, axes: tuple[str, ...]) -> PyTree:
-  """The params ``jax.grad`` sees: device-varying in ``shard_map``, gathered for ``jit`` lanes.
-
-  Varying, so that ``check_vma`` does not ``psum`` every microbatch's gradient;
-  gathered over the lane axes, because each lane holds a whole partial gradient.
-  """
+  """The params ``jax.grad`` sees: device-varying in ``shard_map`` (so ``check_vma`` does not
+  ``psum`` each microbatch's gradient), gathered for ``jit`` lanes (each holds a whole one)."""
   if name == "shard_map":
     return _mesh.to_varying(params, axes)
   if name == "jit":
@@ -278,10 +255,7 @@ def _scaled_loss(cfg: _Config, params, mb, scale, extra, kwargs):
 
 
 def _microbatch_fn(cfg: _Config, params, scale, args, kwargs, key) -> Callable:
-  """``one(mb, k, state, lane)``: microbatch ``k``'s ``(loss, aux, new_state, grads, weight)``.
-
-  ``key`` (if any) is folded with ``k``, then with ``lane`` when it is not None.
-  """
+  """``one(mb, k, state, lane)``: microbatch ``k``'s ``(loss, aux, new_state, grads, weight)``."""
   grad_fn = jax.value_and_grad(functools.partial(_scaled_loss, cfg), has_aux=True)
 
   def one(mb, k, state, lane):
@@ -386,10 +360,7 @@ def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scal
 
 
 def _noise_estimate(sums: _Sums, scale: jax.Array | None) -> _noise_scale.NoiseEstimate:
-  """``noise_scale=True``: the batch's noise estimates (one sample per microbatch and lane).
-
-  ``|G_B|`` is the boundary's own norm of the unscaled mean (docs/noise_scale.md).
-  """
+  """``noise_scale=True``: the batch's noise estimates (one sample per microbatch and lane)."""
   unscaled = sums.weight if scale is None else sums.weight * scale
   norm, _ = _numerics.norm_and_finite(sums.grads, unscaled)
   return _noise_scale.estimate(*sums.noise, sums.weight, norm, scale)

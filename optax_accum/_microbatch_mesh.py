@@ -1,32 +1,11 @@
 """How the in-step batch is cut, where the scan's sums live on a mesh, and the one reduction.
 
-:func:`split_batch` cuts a batch into ``K`` microbatches (strided by default,
-so that no row leaves its device).
-
-:func:`optax_accum.microbatched_value_and_grad` with ``axis_name`` keeps every
-device's partial sums (gradient, weight, loss, aux) local for all ``K``
-microbatches and reduces them once, after the ``lax.scan``:
-
-* inside ``jax.shard_map`` over ``axis_name`` (the axis is manual): the params
-  are cast to device-varying (:func:`to_varying`), so ``jax.grad`` does not
-  ``psum`` the gradient of every microbatch, and one ``psum`` of the sums
-  follows the scan (:func:`psum_sums`);
-* under ``jax.jit`` with a mesh (``jax.set_mesh``, or Explicit-sharded batch
-  leaves): each microbatch is cut into one lane per device along the axis
-  (:func:`split_lanes`, shape ``[K, D, rows/D, ...]``), the gradient is
-  ``jax.vmap``-ed over the lanes with ``spmd_axis_name=axis_name``, and the
-  carry holds one partial sum per lane, sharded over the axis
-  (:func:`carry_zeros`). Summing the lanes after the scan is the step's one
-  all-reduce (or reduce-scatter) per leaf. This is the "leading device axis"
-  of MaxText's and levanter's in-step accumulation; JAX 0.10.2's
-  ``PartitionSpec(unreduced=...)`` cannot sit in a scan carry (MaxText
-  notes the same), so it is not used.
-
-``tests/test_microbatch.py`` reads the compiled HLO with
-:func:`optax_accum.testing.count_collectives` and fails if a reduction moves
-into the loop body. See ``docs/in_step.md``.
-
-See docs/design.md for the module map.
+With ``axis_name`` every device keeps its partial sums for all ``K`` microbatches
+and reduces them once after the ``lax.scan``: inside ``jax.shard_map`` by one
+``psum`` (:func:`psum_sums`) of sums taken with device-varying params
+(:func:`to_varying`); under ``jax.jit`` by summing one lane per device
+(:func:`split_lanes`, :func:`carry_zeros`). docs/in_step.md gives the why;
+``tests/test_microbatch.py`` fails if a reduction moves into the loop body.
 """
 
 from __future__ import annotations
@@ -111,12 +90,7 @@ def split_batch(batch: PyTree, num_microbatches: int, *, strided: bool = True) -
 
 
 def _contiguous_sharding(x: jax.Array) -> Any:
-  """Output sharding for a contiguous split of a batch with explicit sharding on axis 0.
-
-  Under ``jax.sharding.AxisType.Explicit`` a reshape that cuts the sharded
-  axis into ``[K, B/K]`` needs its output sharding spelled out; the rows stay
-  sharded within each microbatch (this moves data: use the strided split).
-  """
+  """The out sharding an Explicit-sharded axis 0 needs to be cut into ``[K, B/K]`` (None if not)."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   spec = getattr(sharding, "spec", None)
   if not spec or spec[0] is None:
@@ -137,9 +111,7 @@ def resolve(axis_name: Any, batch: PyTree) -> tuple[str | None, tuple[str, ...],
   """
   if axis_name is None:
     return None, (), None
-  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-  if not axes or not all(isinstance(a, str) for a in axes):
-    raise TypeError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}.")
+  axes = _checks.axis_names(axis_name)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:  # jit without set_mesh: an Explicit-sharded batch still names its mesh
     for leaf in jax.tree.leaves(batch):
@@ -176,11 +148,7 @@ def _explicit(mesh: Any, axes: tuple[str, ...]) -> bool:
 
 
 def constrain(x: jax.Array, mesh: Any, axes: tuple[str, ...], dim: int) -> jax.Array:
-  """``x`` with dimension ``dim`` sharded over ``axes`` (the other dimensions left as they are).
-
-  Explicit axes: ``jax.sharding.reshard`` (the type changes). Auto axes:
-  ``jax.lax.with_sharding_constraint`` with the other dimensions unconstrained.
-  """
+  """``x`` with dimension ``dim`` sharded over ``axes``: resharded (Explicit) or constrained."""
   if _explicit(mesh, axes):
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
     spec = list(spec) + [None] * (x.ndim - len(spec))
@@ -241,13 +209,8 @@ def _reshape(x: jax.Array, shape: tuple[int, ...], mesh: Any, axes: tuple[str, .
 
 
 def carry_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...], lanes: int):
-  """Zeros shaped like ``struct`` (a ``jax.eval_shape`` result) in ``dtype``, typed like it.
-
-  With lanes, dimension 0 (``D``) is sharded over ``axes``. Inside
-  ``shard_map`` with ``check_vma=True`` the zeros vary over the same manual
-  axes as ``struct`` does, so a device-varying sum has a device-varying
-  start (``lax.scan`` requires equal carry types).
-  """
+  """Zeros like ``struct`` (from ``jax.eval_shape``) in ``dtype``: lane dimension 0 sharded over
+  ``axes``, device-varying where ``struct`` is (``lax.scan`` needs equal carry types)."""
   sharding = getattr(struct, "sharding", None)
   if not lanes:
     x = jnp.zeros(struct.shape, dtype)
@@ -273,13 +236,8 @@ def like_params(grads: PyTree, params: PyTree) -> PyTree:
 
 
 def gather_over(params: PyTree, mesh: Any, axes: tuple[str, ...]) -> PyTree:
-  """Params with Explicit shardings over ``axes`` gathered along them (once, before the scan).
-
-  Inside the lane ``vmap`` the lane dimension is sharded over ``axes``, so a
-  param (FSDP) sharded over the same axes would shard one product twice.
-  Each device's partial sum is gradient-sized anyway; Auto axes are left to
-  the compiler, which gathers them before the loop too.
-  """
+  """Params Explicit-sharded over ``axes`` gathered along them once, before the scan (the lane
+  dimension is sharded over ``axes``; Auto axes are left to the compiler)."""
   if not _explicit(mesh, axes):
     return params
   used = set(axes)
@@ -296,13 +254,8 @@ def gather_over(params: PyTree, mesh: Any, axes: tuple[str, ...]) -> PyTree:
 
 
 def to_varying(params: PyTree, axes: tuple[str, ...]) -> PyTree:
-  """Params cast to device-varying over ``axes`` (leaves that already vary stay as they are).
-
-  Under ``shard_map``'s ``check_vma=True`` a replicated input is
-  device-invariant and ``jax.grad`` with respect to it ``psum``-s the gradient
-  (the transpose of the implicit broadcast) on every microbatch. Differentiating
-  the varying copy keeps each device's gradient local until :func:`psum_sums`.
-  """
+  """Params cast to device-varying over ``axes``, so ``jax.grad`` does not ``psum`` each
+  microbatch's gradient under ``check_vma=True`` (leaves that already vary stay)."""
 
   def cast(x):
     try:
@@ -319,20 +272,13 @@ def psum_sums(sums: PyTree, axes: tuple[str, ...]) -> PyTree:
 
 
 def lane_indices(lanes: int, mesh: Any, axes: tuple[str, ...]) -> jax.Array:
-  """``[0, ..., D-1]`` sharded over ``axes``: lane ``d``'s index, on device ``d``.
-
-  Folded into a ``key``, so each lane draws its own dropout masks.
-  """
+  """``[0, ..., D-1]`` sharded over ``axes`` (folded into ``key``: each lane its own masks)."""
   return constrain(jnp.arange(lanes, dtype=np.int32), mesh, axes, 0)
 
 
 def lane_mean(aux: PyTree, w: jax.Array) -> PyTree:
-  """Per-microbatch weighted mean over the lanes of ``[K, D, ...]`` leaves, weights ``[K, D]``.
-
-  ``aux_mode='stack'`` under ``jit``: microbatch ``k``'s aux combined like its
-  loss (a weight-0 lane adds nothing, even a NaN; an all-zero microbatch gives 0).
-  Integer leaves come back as float32.
-  """
+  """Per-microbatch weighted mean over the lanes of ``[K, D, ...]`` leaves, weights ``[K, D]``
+  (a weight-0 lane adds nothing, even a NaN; integer leaves come back as float32)."""
   wsum = w.sum(1)
 
   def mean(x):

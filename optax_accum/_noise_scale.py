@@ -1,27 +1,11 @@
 """The gradient noise scale ``B_simple`` from a window's own microbatches.
 
-Inside one window every microbatch gradient is taken at the same params, which
-is what the unbiased estimator of McCandlish et al. 2018 ("An Empirical Model
-of Large-Batch Training", appendix A) needs: for microbatch ``k`` of weight
-``n_k`` (examples or tokens) and mean gradient ``g_k``, ``N = sum_k n_k`` and
-the window mean ``G_B = sum_k n_k g_k / N``, with per-example gradients of mean
-``G`` and covariance ``Sigma``, ``E|g_k|^2 = |G|^2 + tr(Sigma) / n_k`` and
-``E|G_B|^2 = |G|^2 + tr(Sigma) / N``, so
-
-    S_est  = (sum_k n_k |g_k|^2 - N |G_B|^2) / (K - 1)        (estimates tr Sigma)
-    G2_est = (K |G_B|^2 - sum_k n_k |g_k|^2 / N) / (K - 1)    (estimates |G|^2)
-
-which are McCandlish's ``B_small = n``, ``B_big = K n`` formulas when every
-``n_k = n``. ``B_simple = EMA(S_est) / EMA(G2_est)`` (a ratio of EMAs, bias
-corrected like Adam's moments), in the units of ``weight``.
-
-The only per-microbatch quantity is the scalar ``n_k |g_k|^2`` (:func:`add`),
-read from the gradient cast exactly as :func:`_numerics.weighted_add` casts it;
-``|G_B|^2`` is the square of the global norm the boundary computes anyway
-(:func:`_numerics.norm_and_finite`). The same functions serve
-:func:`optax_accum.accumulate` (``noise_scale_decay``) and
-:func:`optax_accum.microbatched_value_and_grad` (``noise_scale=True``).
-docs/noise_scale.md says when the estimate is valid; docs/design.md maps the code.
+McCandlish et al. 2018 (appendix A): a window's microbatches share the params,
+so the window is ``B_big`` and a microbatch ``B_small``. The only per-microbatch
+quantity is the scalar ``n_k |g_k|^2`` (:func:`add`), from the gradient cast as
+:func:`_numerics.weighted_add` casts it; ``|G_B|^2`` is the boundary's global
+norm. Used by both paths (``noise_scale_decay``, ``noise_scale=True``); the
+estimator and when it is valid: docs/noise_scale.md.
 """
 
 from __future__ import annotations

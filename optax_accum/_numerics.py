@@ -1,14 +1,7 @@
 """The arithmetic of accumulation: dtypes, weighted sums, the one division, the boundary math.
 
-Both the across-step :func:`optax_accum.accumulate` and the in-step
-:func:`optax_accum.microbatched_value_and_grad` use these helpers, so the two
-paths round the same way. At a window boundary the sums are read as few times
-as possible: the global norm and the finite check come from one pass over the
-accumulated sum (:func:`norm_and_finite`), and the division by the weight sum
-(times the loss scale), the clip and the cast (:func:`window_mean`) are written
-so that XLA fuses them into the inner optimizer's first pass. Nothing here
-zeros or selects by multiplying (``0 * nan == nan``): selection is
-``jnp.where`` / ``lax.select``. See docs/design.md.
+Both paths (across-step and in-step) use these helpers, so they round the same
+way. Nothing here zeros or selects by multiplying (``0 * nan == nan``).
 """
 
 from __future__ import annotations

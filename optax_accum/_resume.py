@@ -1,12 +1,8 @@
 """Resuming from a checkpoint: restore targets and a compatibility check.
 
-A checkpoint of the whole optimizer state (mid-window included) resumes
-bitwise: the open window's sums, the window position and the inner state are
-all in the state. What can go wrong is restoring into a transformation that is
-configured differently. Orbax casts restored leaves to the target's dtypes
-without a word, and a different ``every_k`` would close the restored window at
-the wrong length. :func:`check_compatible` compares a restored state, or a
-checkpoint's metadata, with ``tx.init(params)`` and says what differs.
+A checkpoint of the whole state resumes bitwise, mid-window included; what can
+go wrong is a transformation configured differently (Orbax casts restored leaves
+to the target's dtypes without a word). :func:`check_compatible` says what differs.
 """
 
 from __future__ import annotations

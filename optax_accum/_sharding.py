@@ -1,22 +1,12 @@
 """Sharded optimizer states: placement under ``jit`` and per-device windows in ``shard_map``.
 
-Two ways to scale :func:`optax_accum.accumulate` out over a device mesh:
-
-* ``jax.jit`` with sharded params (data parallel or FSDP): :func:`init_sharded`
-  puts every state leaf shaped like a param (our accumulator and the inner
-  optimizer's moments) on that param's sharding. ``jax.jit(tx.init)`` alone
-  leaves the placement to the compiler, which puts the state on one device
-  when no mesh is set and replicates it under ``jax.set_mesh`` (as it does for
-  ``optax.adam``). With a data-sharded batch, the compiler all-reduces the
-  gradient on every microstep.
-* ``jax.shard_map`` with ``accumulate(..., axis_name=...)``: each device keeps
-  its own window sums and communicates once per window. The window sums
-  (``state.window``: every leaf of the open window) differ between devices,
-  so between jitted calls they live on a leading device axis sharded over the
-  mesh axis (:func:`stack_windows`, :func:`window_specs`); inside the
-  ``shard_map`` body :func:`local_state` and :func:`stacked_state` drop and
-  restore that axis. Everything else in the state is identical on every device
-  and is replicated.
+Under ``jax.jit`` with sharded params, :func:`init_sharded` places every state
+leaf shaped like a param on that param's sharding (``jax.jit(tx.init)`` alone
+leaves it to the compiler, which puts it on one device or replicates it). Under
+``jax.shard_map`` with ``axis_name``, the window sums differ between devices, so
+between calls they live on a leading device axis (:func:`stack_windows`,
+:func:`window_specs`), dropped and restored inside the body by
+:func:`local_state` and :func:`stacked_state`; the rest is replicated.
 """
 
 from __future__ import annotations

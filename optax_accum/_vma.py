@@ -1,14 +1,9 @@
 """Device variance under ``shard_map(check_vma=True)``: what varies, and making types agree.
 
-Inside ``jax.shard_map`` with ``check_vma=True`` (the default) every value has
-a type that says which mesh axes it varies over. ``accumulate(..., axis_name=...)``
-keeps per-device window sums (varying) next to a replicated state (unvarying),
-and its boundary is a ``lax.cond`` whose branches must have equal types. The
-helpers here make that hold by construction, with type changes only
-(``jax.lax.pcast(..., to="varying")`` moves no data), so that the state works
-without a recipe: made by ``tx.init`` inside ``shard_map``, carried through
-``lax.scan``. The check that the params are replicated (:func:`check_replicated`)
-lives here too. See docs/design.md.
+Per-device window sums (varying) sit next to a replicated state, and the
+boundary's ``lax.cond`` branches must have equal types. These helpers make that
+hold by construction with type changes only (``jax.lax.pcast`` moves no data),
+so a state made by ``tx.init`` inside ``shard_map`` works without a recipe.
 """
 
 from __future__ import annotations

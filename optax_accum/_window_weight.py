@@ -1,14 +1,8 @@
 """Token-budget windows: the budget, the boundary decision and the exact weight counters.
 
-A window of :func:`optax_accum.accumulate` may close on its weight: at the
-first microbatch whose cumulative weight (tokens, examples) reaches
-``window_weight``, a number or a ramp (a callable of ``num_updates`` or of the
-weight seen so far). :func:`check_window_weight` validates it, :func:`budget`
-evaluates it, :func:`reached` decides the boundary (under ``axis_name`` with one
-scalar all-reduce per microstep), and the feature's sub-state
-:class:`TokenBudgetState` counts ``weight_seen`` and ``window_weight`` exactly
-(``_weight_count``). :func:`sqrt_scaled_schedule` scales a learning-rate schedule
-with the square root of a ramp. See docs/window_weight.md and docs/design.md.
+A window may close at the first microbatch whose cumulative weight reaches
+``window_weight``, a number or a ramp; docs/window_weight.md says how, and
+docs/design.md lists this module's parts.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Detection of the README's accumulation pitfalls, with a warning that says the fix.
 
-Each check looks at what is known at ``init`` or trace time (the optimizer
-states, the transformations chained around :func:`optax_accum.accumulate`) and
-warns with :class:`PitfallWarning`; none costs anything in the compiled step.
-Where they run:
-
-- ``accumulate(...).init``: an :class:`optax_accum.AccumulationState` or an
-  ``optax.MultiStepsState`` inside the inner optimizer's state
-  (:func:`check_inner_state`).
-- :func:`optax_accum.update_and_apply` with a ``tx`` around ``accumulate``, and
-  the Flax integrations: the outer state (:func:`check_state`:
-  ``apply_if_finite`` around ``accumulate``, a schedule outside it).
-
-Only optax's public structure is read: the types of its states. A gradient
-clip chained before ``accumulate`` has an ``EmptyState`` like many
-transformations, so it cannot be told apart and is documented (README,
-Pitfalls) rather than detected.
-
-None of these pitfalls is wrong in every case (equal microbatch weights, no
-non-finite gradient, a norm that never reaches the clip threshold give the
-intended update), so they warn rather than raise. Python's default warning
-filter shows each warning once per call site. To silence them::
+Each check reads what is known at ``init`` or trace time, from optax's public
+state types only, and warns with :class:`PitfallWarning` (free in the compiled
+step): ``accumulate(...).init`` runs :func:`check_inner_state`;
+:func:`optax_accum.update_and_apply` with a ``tx`` around ``accumulate`` and the
+Flax integrations run :func:`check_state`. A clip chained before ``accumulate``
+has an ``EmptyState`` like many transformations, so it is documented (README,
+Pitfalls), not detected. None of these is wrong in every case, so they warn
+rather than raise, once per call site by default. To silence them::
 
   warnings.filterwarnings("ignore", category=optax_accum.pitfalls.PitfallWarning)
 """

@@ -1,20 +1,11 @@
 """Choose the microbatch size from compiled memory, before the first step.
 
-XLA reports a step's memory when it compiles it: ``jax.jit(step).lower(*args)
-.compile().memory_analysis()`` gives the bytes of its arguments, outputs and
-temporaries, and which outputs reuse (alias) a donated argument. Nothing needs
-to run or be allocated: ``jax.ShapeDtypeStruct`` arguments are enough. So the
-largest microbatch that fits a memory budget can be found by compiling, not by
-catching out-of-memory errors and retrying.
-
-:func:`plan_microbatch` compiles the step for a few candidate sizes: the
-smallest and the largest (two probes), whose line ``fixed + per_row * size``
-predicts where the budget is crossed; then the predicted size and its next
-candidate (which settles it when the bytes are linear in the size, the usual
-case); then, if the prediction missed, steps of growing length toward the
-crossing, and bisection. :func:`microbatches_for` turns the plan into the
-``num_microbatches`` (in-step) or ``every_k`` (across-step) that keeps a target
-global batch.
+XLA reports a step's memory when it compiles it (``memory_analysis()``), from
+``jax.ShapeDtypeStruct`` arguments, with nothing allocated or run. So the
+largest microbatch that fits a memory budget is found by compiling a few sizes
+(:func:`plan_microbatch`), not by catching out-of-memory errors and retrying;
+:func:`microbatches_for` turns the plan into ``num_microbatches`` (in-step) or
+``every_k`` (across-step) for a target global batch.
 """
 
 from __future__ import annotations
@@ -26,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+
+from optax_accum import _checks
 
 __all__ = [
   "SAFETY_MARGIN",
@@ -228,12 +221,9 @@ def _search(
 ) -> dict[int, int]:
   """Compiles as few candidates as it can; returns ``{size: bytes}`` of those it looked at.
 
-  Assumes bytes grow with the size. Keeps a bracket ``lo`` (fits) < ``hi`` (does
-  not fit). After the two probes (the ends), the line through them predicts an
-  index; from there the search gallops toward the crossing (index steps 1, 2, 4,
-  ...: settled in one step when the bytes are linear, in a few when the line is
-  a few rows off) and bisects once a gallop step would pass the bracket's
-  middle. ``known`` sizes are looked up, not compiled.
+  Keeps a bracket ``lo`` (fits) < ``hi`` (does not fit): the two probes' line
+  predicts an index, the search gallops from there (steps 1, 2, 4, ...) and
+  bisects once a step would pass the bracket's middle. ``known`` sizes are looked up.
   """
   measured: dict[int, int] = {}
 
@@ -276,19 +266,11 @@ def plan_microbatch(
 
   Compiles ``step_fn(*make_args(size))`` ahead of time for a few candidate
   sizes and reads each one's bytes with :func:`compiled_peak_bytes`; nothing is
-  allocated or run. Two probes (the smallest and the largest candidate) fit
-  ``bytes = fixed + per_row * size``; the predicted size and its next candidate
-  settle the answer when the bytes are linear in the size (4 compilations,
-  fewer at the ends); when the line is ``d`` candidates off, about
-  ``2 * log2(d) + 4``; never more than about ``2 * log2(len(sizes)) + 3``.
-  Assumes the bytes do not shrink as the size grows.
-
-  Works for any step: across-step (``make_args(size)`` gives one microbatch of
-  ``size`` rows for a step calling :func:`optax_accum.accumulate`'s update),
-  in-step (the whole batch of ``K * size`` rows for a step using
-  ``optax_accum.microbatched_value_and_grad(loss_fn, K)``), or sharded (give
-  the arguments ``sharding=``; the bytes, budget and ``bytes_limit`` are then
-  per device).
+  allocated or run. The line through the smallest and largest candidates'
+  bytes predicts the size; when the bytes are linear in the size, 4
+  compilations settle it, never more than about ``2 * log2(len(sizes)) + 3``.
+  Assumes the bytes do not shrink as the size grows. Across-step, in-step and
+  sharded steps (bytes per device) are in ``docs/planning.md``.
 
   Args:
     step_fn: the train step; pass the ``jax.jit`` function itself to keep its
@@ -396,11 +378,8 @@ def microbatches_for(
     >>> microbatches_for(plan, 256, multiple_of=8).every_k
     8
   """
-  for value, name in ((global_batch, "global_batch"), (multiple_of, "multiple_of")):
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise TypeError(f"{name} must be a positive int, got {value!r}.")
-    if value < 1:
-      raise ValueError(f"{name} must be >= 1, got {value}.")
+  global_batch = _checks.positive_int(global_batch, "global_batch", "rows per update")
+  multiple_of = _checks.positive_int(multiple_of, "multiple_of", "a factor of the microbatch size")
   best = 0
   for d in range(1, math.isqrt(global_batch) + 1):
     if global_batch % d == 0:

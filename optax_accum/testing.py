@@ -1,16 +1,9 @@
 """Pre-flight checks that accumulation reproduces one physical batch, and HLO collective counts.
 
-:func:`check_equivalence` runs one window both ways (across-step
-:func:`optax_accum.accumulate` and in-step
-:func:`optax_accum.microbatched_value_and_grad`) and one step on the same
-examples as a single physical batch, and reports the differences as a small
-table. Run it once before a long training run: it catches a loss that is not a
-mean, a wrong ``weight``, and batch-dependent layers (BatchNorm).
-:func:`assert_equivalent` is the same check for a user's own tests, and
-:func:`count_collectives` counts the collectives of a compiled step (outside,
-in conditionals, in loops). Flax is imported only where a model needs it.
-
-See docs/design.md for the module map.
+Run :func:`check_equivalence` once before a long training run (or
+:func:`assert_equivalent` in a user's own tests): it catches a loss that is not
+a mean, a wrong ``weight``, and batch-dependent layers (BatchNorm). Flax is
+imported only where a model needs it.
 """
 
 from __future__ import annotations
@@ -212,6 +205,21 @@ def batch_dependent_layers(model: Any) -> tuple[str, ...]:
   return tuple(found)
 
 
+def _warn_if_batch_dependent(params: Any, model: Any) -> tuple[str, ...]:
+  """The batch-dependent layers of ``params`` and ``model``, with a warning if there are any."""
+  layers = batch_dependent_layers(params) + batch_dependent_layers(model)
+  if layers:
+    warnings.warn(
+      f"The model has batch-dependent layers ({', '.join(layers)}): BatchNorm in train mode "
+      "normalizes each microbatch with its own statistics (and updates running averages "
+      "once per microbatch), so gradient accumulation will NOT reproduce one physical batch "
+      "for it. Use LayerNorm/GroupNorm/RMSNorm, or accept the difference this check reports.",
+      BatchDependentLayerWarning,
+      stacklevel=3,
+    )
+  return layers
+
+
 def _functional(loss_fn: Callable, params: Any) -> tuple[Callable, PyTree]:
   """``(f(params, batch), params)``; an ``nnx.Module`` is split into its ``nnx.Param`` state."""
   if "flax" in sys.modules:
@@ -238,15 +246,13 @@ def check_equivalence(
 ) -> EquivalenceReport:
   """Runs one accumulated window both ways and one physical batch, and compares them.
 
-  Three computations on the same examples, each under ``jax.jit``: the batch
-  as one physical batch (``jax.value_and_grad`` and one ``inner`` step); the
-  in-step :func:`optax_accum.microbatched_value_and_grad`; and the across-step
-  :func:`optax_accum.accumulate` fed the same ``num_microbatches`` slices
-  (:func:`optax_accum.split_batch`) with ``weight=weight_fn(slice)``. Gradients
-  and an ``optax.sgd(1.0)`` step are compared as well as ``inner``'s update,
-  because Adam's first step (about ``-lr * sign(g)``) hides a wrong divisor.
-
-  Keep dropout off for the check (random masks differ between the paths).
+  One ``jax.jit`` run on the same examples: the physical batch
+  (``jax.value_and_grad`` and one ``inner`` step), the in-step
+  :func:`optax_accum.microbatched_value_and_grad`, and a scan of across-step
+  :func:`optax_accum.accumulate` microsteps on ``num_microbatches`` slices
+  (:func:`optax_accum.split_batch`) with ``weight=weight_fn(slice)``. An
+  ``optax.sgd(1.0)`` step is compared too: Adam's first step (about ``-lr *
+  sign(g)``) hides a wrong divisor. Keep dropout off (masks differ between paths).
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` -> the MEAN loss over the batch's
@@ -283,16 +289,7 @@ def check_equivalence(
     >>> report.passed(), report.num_updates
     (True, 1)
   """
-  layers = batch_dependent_layers(params) + batch_dependent_layers(model)
-  if layers:
-    warnings.warn(
-      f"The model has batch-dependent layers ({', '.join(layers)}): BatchNorm in train mode "
-      "normalizes each microbatch with its own statistics (and updates running averages "
-      "once per microbatch), so gradient accumulation will NOT reproduce one physical batch "
-      "for it. Use LayerNorm/GroupNorm/RMSNorm, or accept the difference this check reports.",
-      BatchDependentLayerWarning,
-      stacklevel=2,
-    )
+  layers = _warn_if_batch_dependent(params, model)
   f, p = _functional(loss_fn, params)
   k = num_microbatches
   weigh = weight_fn if weight_fn is not None else (lambda mb: jax.tree.leaves(mb)[0].shape[0])
@@ -301,14 +298,11 @@ def check_equivalence(
 
   @jax.jit
   def run(params, batch):
-    # One compilation: the physical batch, the in-step helper, and a scan of
-    # across-step microsteps (the loop a training script runs, one call per step).
     loss_ref, g_ref = jax.value_and_grad(f)(params, batch)
     mvg = microbatched_value_and_grad(f, k, weight_fn=weight_fn, strided=strided)
     loss_in, g_in = mvg(params, batch)
     inner_state = inner.init(params)
     u_ref = inner.update(g_ref, inner_state, params)[0]
-    u_in = inner.update(g_in, inner_state, params)[0]
 
     def microstep(carry, mb):
       s_sgd, s_inner, sum_sgd, sum_inner = carry
@@ -322,23 +316,19 @@ def check_equivalence(
     carry = (sgd1.init(params), acc_inner.init(params), zeros, zeros)
     micro = split_batch(batch, k, strided=strided)
     (_, s_inner, sum_sgd, sum_inner), (grads, weights) = jax.lax.scan(microstep, carry, micro)
-    mean_of_means = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
-    num_updates = metrics(s_inner).num_updates
-    return (
-      (loss_in, loss_ref, g_in, g_ref, u_in, u_ref),
-      (sum_sgd, sum_inner, mean_of_means, num_updates, weights),
-    )
+    pairs = {  # (value, its physical-batch reference) per row of the report
+      "loss": (loss_in, loss_ref),
+      "grad_in_step": (g_in, g_ref),
+      "sgd_across_step": (sum_sgd, jax.tree.map(jnp.negative, g_ref)),
+      "update_in_step": (inner.update(g_in, inner_state, params)[0], u_ref),
+      "update_across_step": (sum_inner, u_ref),
+      "mean_of_means": (jax.tree.map(lambda g: jnp.mean(g, axis=0), grads), g_ref),
+    }
+    return pairs, metrics(s_inner).num_updates, weights
 
-  out = jax.device_get(run(p, batch))
-  (loss_in, loss_ref, g_in, g_ref, u_in, u_ref), rest = out
-  sum_sgd, sum_inner, mean_of_means, num_updates, weights = rest
+  pairs, num_updates, weights = jax.device_get(run(p, batch))
   return EquivalenceReport(
-    loss=_difference(loss_in, loss_ref),
-    grad_in_step=_difference(g_in, g_ref),
-    sgd_across_step=_difference(sum_sgd, jax.tree.map(np.negative, g_ref)),
-    update_in_step=_difference(u_in, u_ref),
-    update_across_step=_difference(sum_inner, u_ref),
-    mean_of_means=_difference(mean_of_means, g_ref),
+    **{name: _difference(x, ref) for name, (x, ref) in pairs.items()},
     num_updates=int(num_updates),
     weights=tuple(float(w) for w in weights),
     batch_dependent_layers=layers,

@@ -1,16 +1,10 @@
 """A Linen ``TrainState`` that passes microbatch weights and counts applied updates.
 
-Flax's ``flax.training.train_state.TrainState.apply_gradients`` forwards no
-extra arguments to ``tx.update`` and increments ``step`` on every call. With
-:func:`optax_accum.accumulate` each call is a microbatch, so this subclass
-forwards ``weight`` and ``flush``, advances ``step`` only when a window was
-applied (not on microsteps, not on skipped non-finite windows), and takes the
-fused path (:func:`optax_accum.update_and_apply`: no update buffer, params
-untouched between boundaries). The last, incomplete window closes with
-``flush=True`` on its last microbatch; ``state.replace(opt_state=
-optax_accum.discard(state.opt_state))`` drops it. Code written
-for Flax's class keeps working: without ``weight`` every microbatch weighs 1,
-which is exact when the microbatches have equal sizes.
+Flax's ``TrainState.apply_gradients`` forwards no extra arguments to
+``tx.update`` and increments ``step`` on every call; this subclass forwards
+``weight`` and ``flush``, advances ``step`` only on applied windows and takes the
+fused path (:func:`optax_accum.update_and_apply`). Without ``weight`` every
+microbatch weighs 1, exact for equal sizes (docs/flax.md).
 """
 
 from __future__ import annotations

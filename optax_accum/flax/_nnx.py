@@ -1,16 +1,8 @@
 """Flax NNX: :class:`Optimizer`, ``nnx.Optimizer`` on the fused path with ``step`` counting updates.
 
-:class:`Optimizer` has ``nnx.Optimizer``'s constructor and
-``update(model, grads, **kwargs)``; its update is
-:func:`optax_accum.update_and_apply` (no update buffer; params untouched
-between boundaries) and its ``step`` counts applied updates.
-
 A plain ``nnx.Optimizer(model, optax_accum.accumulate(...), wrt=nnx.Param)`` is
-also correct (its ``update`` is ``tx.update`` + ``optax.apply_updates``, about
-twice the fused path's memory traffic between boundaries,
-docs/performance.md), but its ``step`` counts *microbatches*: read
-``optax_accum.metrics(opt.opt_state).num_updates`` for schedules, EMA,
-evaluation and checkpoints (docs/flax.md).
+also correct, but its ``step`` counts microbatches: read
+``optax_accum.metrics(opt.opt_state).num_updates`` instead (docs/flax.md).
 """
 
 from __future__ import annotations

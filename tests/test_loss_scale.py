@@ -1,6 +1,6 @@
 """The loss-scale rule on its own: ``static_loss_scale``, ``dynamic_loss_scale``, ``adjust``.
 
-Everything through ``accumulate`` is in ``tests/test_mixed_precision.py``. Expected values here
+Everything through ``accumulate`` is in ``tests/test_step.py``. Expected values here
 are a hand-worked table and an independent plain-Python model of PyTorch's
 ``torch.amp.GradScaler`` update (``_amp_update_scale_``) with our floor and ceiling added.
 """

@@ -1,4 +1,4 @@
-"""Resume mid-window from an Orbax checkpoint (case C12), sharded; refuse a different config.
+"""optax_accum/_resume.py: resume mid-window from an Orbax checkpoint (C12); refuse another config.
 
 Run A goes straight through 12 microbatches (every_k=4, adamw, model M2). Run B
 saves the whole optimizer state after microbatch 6 (mid-window), restores it

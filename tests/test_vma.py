@@ -1,4 +1,4 @@
-"""accumulate(..., axis_name=...) inside jax.shard_map: local windows, one all-reduce each.
+"""optax_accum/_vma.py: accumulate(..., axis_name=) in shard_map: local windows, one all-reduce.
 
 Eight fake CPU devices (conftest.py). Model M2 of shared/cases (linear regression)
 on padded microbatches with a token mask; every device holds its own tokens and

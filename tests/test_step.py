@@ -1,4 +1,4 @@
-"""Mixed precision through ``accumulate``: loss scaling, clip-after-accumulate, non-finite windows.
+"""optax_accum/_step.py under mixed precision: loss scaling, clip-after-accumulate, non-finite.
 
 The pure loss-scale rule is tested in ``tests/test_loss_scale.py``. Reference cases C4, C5, C8,
 C9 and C10 appear here with a loss scale. Expected values are hand-worked numbers, ``jax.grad``

@@ -75,20 +75,42 @@ class Accumulation(optax.GradientTransformationExtraArgs):
   Attributes:
     init: ``init(params) -> AccumulationState``.
     update: ``update(grads, state, params=None, **extra_args) -> (updates, state)``.
-    update_and_apply: the fused step (an attribute, not a tuple field).
+    update_and_apply: the fused step (a property: ``update.update_and_apply``).
   """
 
-  def __new__(cls, init, update, update_and_apply):
-    self = super().__new__(cls, init, update)
-    self.update_and_apply = update_and_apply
-    return self
-
-  def __getnewargs__(self):  # copy, deepcopy and pickle keep the fused step
-    return (self.init, self.update, self.update_and_apply)
+  @property
+  def update_and_apply(self) -> Callable[..., tuple[PyTree, PyTree]]:
+    """The fused step: ``(grads, state, params, **extra_args) -> (new_params, new_state)``."""
+    return self.update.update_and_apply
 
   def _replace(self, **fields):
     """A plain ``GradientTransformationExtraArgs``: the fused step would not match a new field."""
     return optax.GradientTransformationExtraArgs(**{**self._asdict(), **fields})
+
+
+class _Update:
+  """``accumulate``'s ``update`` (callable as optax expects) and its fused step beside it.
+
+  An object rather than a closure so that an ``Accumulation`` rebuilt from its
+  two fields (``jax.tree`` and Flax treat it as a NamedTuple) keeps the fused step.
+  """
+
+  def __init__(self, config: Config):
+    self.config = config
+    # Eager calls run these, compiled once per tree structure (``_step.run``).
+    self.compiled = {
+      out: jax.jit(functools.partial(_step.step, config, out)) for out in _buffers.Output
+    }
+
+  def __call__(self, grads, state, params=None, **extra_args):
+    return _step.run(self.config, _buffers.Output.UPDATES, self.compiled, grads, state, params,
+                     extra_args)  # fmt: skip
+
+  def update_and_apply(self, grads, state, params, **extra_args):
+    if params is None:
+      raise ValueError("update_and_apply needs the params: they are what it updates.")
+    return _step.run(self.config, _buffers.Output.PARAMS, self.compiled, grads, state, params,
+                     extra_args)  # fmt: skip
 
 
 def accumulate(
@@ -179,18 +201,7 @@ def accumulate(
   def init_fn(params):
     return init(config, params)
 
-  # Eager calls run these, compiled once per tree structure (``_step.run``).
-  compiled = {out: jax.jit(functools.partial(_step.step, config, out)) for out in _buffers.Output}
-
-  def update_fn(grads, state, params=None, **extra_args):
-    return _step.run(config, _buffers.Output.UPDATES, compiled, grads, state, params, extra_args)
-
-  def update_and_apply_fn(grads, state, params, **extra_args):
-    if params is None:
-      raise ValueError("update_and_apply needs the params: they are what it updates.")
-    return _step.run(config, _buffers.Output.PARAMS, compiled, grads, state, params, extra_args)
-
-  return Accumulation(init_fn, update_fn, update_and_apply_fn)
+  return Accumulation(init_fn, _Update(config))
 
 
 class Config(NamedTuple):

@@ -17,7 +17,14 @@ import optax
 
 from optax_accum import _numerics, pitfalls
 from optax_accum._accumulate import Accumulation
-from optax_accum._state import AccumulationState, find_state, find_states, is_variable, map_states
+from optax_accum._state import (
+  AccumulationState,
+  find_state,
+  find_states,
+  is_variable,
+  map_states,
+  unwrap,
+)
 
 PyTree = Any
 
@@ -26,7 +33,7 @@ def _zeros_like(tree: PyTree) -> PyTree:
   """Zeros like ``tree``; Flax variables stay variables (holding zeros)."""
 
   def zero(x):
-    return x.replace(jnp.zeros_like(x.get_value())) if is_variable(x) else jnp.zeros_like(x)
+    return x.replace(jnp.zeros_like(unwrap(x))) if is_variable(x) else jnp.zeros_like(x)
 
   return jax.tree.map(zero, tree, is_leaf=is_variable)
 

@@ -65,8 +65,17 @@ def distinct_zeros(like: PyTree, flag: jax.Array) -> PyTree:
   for i, x in enumerate(leaves):
     k = jnp.int32(i + 1)
     zero = jnp.minimum(b + k, k) - k
-    out.append(jnp.full_like(x, zero.astype(x.dtype)))  # keeps x's sharding
+    out.append(_full_like(x, zero.astype(x.dtype)))  # keeps x's sharding
   return jax.tree.unflatten(treedef, out)
+
+
+def _full_like(x: Any, fill: jax.Array) -> jax.Array:
+  """``jnp.full_like(x, fill)``; on JAX 0.7, whose ``full_like`` cannot take a device-varying
+  ``fill`` (it ``pvary``-s it again), zeros like ``x`` plus ``fill``, typed the same."""
+  try:
+    return jnp.full_like(x, fill)
+  except ValueError:
+    return jnp.zeros_like(x) + fill
 
 
 def read_token(tree: PyTree) -> jax.Array:

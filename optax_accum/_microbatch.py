@@ -289,7 +289,7 @@ def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...]) ->
 def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...]) -> _Mode:
   """Under ``jit`` with ``axis_name``: one lane per device, the lanes summed after the scan."""
   lanes = _mesh.num_lanes(mesh, axes)
-  per_lane = lambda f: jax.vmap(f, spmd_axis_name=axes)
+  per_lane = lambda f: jax.vmap(f, spmd_axis_name=_mesh.spmd_axis_name(mesh, axes))
 
   def grads_of(mb, k, state):  # state is None: has_state is refused here
     lane_ids = _mesh.lane_indices(lanes, mesh, axes)

@@ -20,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import _checks
+from optax_accum._vma import pcast_varying
 
 PyTree = Any
 
@@ -147,6 +148,15 @@ def _explicit(mesh: Any, axes: tuple[str, ...]) -> bool:
   return all(types[a] == AxisType.Explicit for a in axes)
 
 
+def spmd_axis_name(mesh: Any, axes: tuple[str, ...]) -> tuple[str, ...] | None:
+  """The lane ``vmap``'s ``spmd_axis_name``: ``axes``, or None where they are Explicit.
+
+  On Explicit axes the lanes' sharding is in the arrays' types and ``vmap`` takes
+  it from there (JAX >= 0.8 drops an equal ``spmd_axis_name``; JAX 0.7 rejects it).
+  """
+  return None if _explicit(mesh, axes) else axes
+
+
 def constrain(x: jax.Array, mesh: Any, axes: tuple[str, ...], dim: int) -> jax.Array:
   """``x`` with dimension ``dim`` sharded over ``axes``: resharded (Explicit) or constrained."""
   if _explicit(mesh, axes):
@@ -219,7 +229,9 @@ def carry_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...], lanes
   else:
     x = constrain(jnp.zeros(struct.shape, dtype), mesh, axes, 0)
   varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
-  return jax.lax.pcast(x, tuple(sorted(varying)), to="varying") if varying else x
+  if varying is None:  # JAX < 0.9: the type's `vma`
+    varying = getattr(struct, "vma", None)
+  return pcast_varying(x, tuple(sorted(varying))) if varying else x
 
 
 def like_params(grads: PyTree, params: PyTree) -> PyTree:
@@ -259,7 +271,7 @@ def to_varying(params: PyTree, axes: tuple[str, ...]) -> PyTree:
 
   def cast(x):
     try:
-      return jax.lax.pcast(x, axes, to="varying")
+      return pcast_varying(x, axes)
     except ValueError:  # already varying over these axes
       return x
 

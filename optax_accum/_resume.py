@@ -57,8 +57,8 @@ def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> params = jax.device_put({'w': jnp.zeros(8)}, NamedSharding(mesh, P('data')))
     >>> tx = optax_accum.accumulate(optax.sgd(1.), 2)
     >>> target = optax_accum.sharding.abstract_state(tx, params)
-    >>> target.window.grad_sum['w'].sharding.spec
-    P('data',)
+    >>> tuple(target.window.grad_sum['w'].sharding.spec)  # sharded like the param
+    ('data',)
   """
   return jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

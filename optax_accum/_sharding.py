@@ -66,8 +66,8 @@ def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> params = jax.device_put({'w': jnp.zeros((8, 2))}, NamedSharding(mesh, P('data')))
     >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
     >>> sh = optax_accum.sharding.state_shardings(tx, params)
-    >>> sh.window.grad_sum['w'].spec, sh.inner_state[0].mu['w'].spec, sh.mini_step.spec
-    (P('data',), P('data',), P())
+    >>> [tuple(s.spec) for s in (sh.window.grad_sum['w'], sh.inner_state[0].mu['w'], sh.mini_step)]
+    [('data',), ('data',), ()]
   """
   p_leaves, p_def = jax.tree.flatten(params)
   if not p_leaves:
@@ -157,8 +157,8 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     >>> import optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name='data')
     >>> specs = optax_accum.sharding.window_specs(tx.init({'w': jnp.zeros(3)}), 'data')
-    >>> specs.window.grad_sum['w'], specs.window.weight_sum, specs.num_updates
-    (P('data',), P('data',), P())
+    >>> [tuple(s) for s in (specs.window.grad_sum['w'], specs.window.weight_sum, specs.num_updates)]
+    [('data',), ('data',), ()]
   """
   per_device, replicated = PartitionSpec(axis_name), PartitionSpec()
   is_spec = lambda x: isinstance(x, PartitionSpec)

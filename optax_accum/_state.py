@@ -142,17 +142,22 @@ def _is_state(x: Any) -> bool:
 
 def is_variable(x: Any) -> bool:
   """Whether ``x`` is a Flax ``nnx.Variable`` (e.g. ``OptArray``), by its public methods."""
-  return not isinstance(x, jax.Array) and hasattr(x, "get_value") and hasattr(x, "replace")
+  # `get_value` exists since Flax 0.12.1; `raw_value` before it.
+  readable = hasattr(x, "get_value") or hasattr(x, "raw_value")
+  return not isinstance(x, jax.Array) and readable and hasattr(x, "replace")
 
 
-def _unwrap(x: Any) -> Any:
-  return x.get_value() if is_variable(x) else x
+def unwrap(x: Any) -> Any:
+  """The array inside a Flax ``nnx.Variable``, else ``x``."""
+  if not is_variable(x):
+    return x
+  return x.get_value() if hasattr(x, "get_value") else x.value
 
 
 def find_states(tree: PyTree) -> list[AccumulationState]:
   """Every :class:`AccumulationState` inside ``tree``, in tree order, unwrapped."""
   found = [x for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)]
-  return [jax.tree.map(_unwrap, s, is_leaf=is_variable) for s in found]
+  return [jax.tree.map(unwrap, s, is_leaf=is_variable) for s in found]
 
 
 def find_state(tree: PyTree) -> AccumulationState:

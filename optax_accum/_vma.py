@@ -34,6 +34,13 @@ def varying(x: Any) -> frozenset:
   return frozenset(getattr(t, "vma", ()))
 
 
+def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """``jax.lax.pcast(x, axes, to="varying")``; ``jax.lax.pvary`` on JAX < 0.8 (no ``pcast``)."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)
+
+
 def _axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
@@ -41,7 +48,7 @@ def _axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
 def _vary(x: jax.Array, axes: frozenset | tuple[str, ...]) -> jax.Array:
   """``x`` typed varying over ``axes`` too (a no-op where it already is)."""
   missing = tuple(sorted(set(axes) - varying(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+  return pcast_varying(x, missing) if missing else x
 
 
 def per_device_window(

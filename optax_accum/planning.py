@@ -178,8 +178,9 @@ def compiled_peak_bytes(step_fn: Callable[..., Any], *args: Any) -> int:
 
   Examples:
     >>> x = jax.ShapeDtypeStruct((1000, 10), jnp.float32)
-    >>> compiled_peak_bytes(lambda x: x.sum(), x)  # 40,000 bytes in, one float32 out
-    40004
+    >>> n = compiled_peak_bytes(lambda x: x.sum(), x)  # 40,000 bytes in, one float32 out
+    >>> 40_004 <= n < 40_200  # and a few bytes of temporaries, as the XLA version decides
+    True
   """
   jitted = step_fn if hasattr(step_fn, "lower") else jax.jit(step_fn)
   stats = jitted.lower(*args).compile().memory_analysis()
@@ -304,8 +305,8 @@ def plan_microbatch(
     >>> plan = plan_microbatch(step, make_args, memory_budget="1MB", sizes=range(1, 1025))
     >>> plan.size, plan.peak_bytes <= 1_000_000 < plan.measured[plan.size + 1]
     (247, True)
-    >>> plan.num_compilations, round(plan.bytes_per_row)  # 4,000 bytes of x per row, and temps
-    (4, 4008)
+    >>> plan.num_compilations, 4_000 <= plan.bytes_per_row < 4_016  # 4,000 bytes of x per row
+    (4, True)
   """
   budget = default_budget() if memory_budget is None else parse_bytes(memory_budget)
   cands = _candidates(sizes)

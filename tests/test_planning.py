@@ -2,6 +2,7 @@
 
 import math
 
+import _compat
 import jax
 import jax.numpy as jnp
 import models
@@ -99,7 +100,7 @@ def test_in_step_plan_equals_exhaustive_scan():
 
 def test_sharded_plan_is_per_device():
   assert len(jax.devices()) == 8
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = _compat.make_mesh((8,), ("data",))
   rows, replicated = (
     NamedSharding(mesh, PartitionSpec("data")),
     NamedSharding(mesh, PartitionSpec()),

@@ -59,12 +59,14 @@ def _commands():
 def test_readme_setup_commands_name_what_pyproject_and_ci_define():
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   commands = _commands()
-  assert len(commands) == 2  # install-and-run, install-and-test
+  assert len(commands) == 3  # install-and-run, install-and-test (fast), everything
   for command in commands:
     for extra in re.findall(r'pip install -e "\.\[(\w+)\]"', command):
       assert extra in project["optional-dependencies"], command
   assert commands[0].endswith("optax-accum demo") and "optax-accum" in project["scripts"]
-  assert commands[1] in (ROOT / ".ci" / "run").read_text()  # CI runs the documented command
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert commands[1].endswith('-m "not slow"') and commands[1] in ci  # CI runs both commands
+  assert commands[2] == "python -m pytest -n 2" and f"&& {commands[2]}'" in ci
 
 
 def test_project_urls_are_the_readme_clone_url():

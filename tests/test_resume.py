@@ -6,6 +6,7 @@ from disk into a fresh state object and continues with microbatch 7. Params,
 state and emitted updates must be bitwise equal.
 """
 
+import _compat
 import chex
 import jax
 import jax.numpy as jnp
@@ -147,7 +148,7 @@ def test_resume_mid_window_is_bitwise_equal(tmp_path):
 
 def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
   """The per-device window sums (a leading device axis) save and restore sharded."""
-  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  mesh = _compat.make_mesh((N_DEV,), (AXIS,))
   tx = make_tx(axis_name=AXIS)
   params0 = {"theta": jnp.array([0.5, -1.0, 2.0]), "b": jnp.zeros(())}
   params = jax.device_put(params0, NamedSharding(mesh, P()))

@@ -9,6 +9,7 @@ jax.set_mesh, and an Explicit mesh from jax.make_mesh.
 import contextlib
 import re
 
+import _compat
 import chex
 import jax
 import jax.numpy as jnp
@@ -32,12 +33,12 @@ MODES = ["auto", "auto_set_mesh", "explicit"]
 
 def make_mesh(mode):
   if mode == "explicit":
-    return jax.make_mesh(SHAPE, AXES, axis_types=(AxisType.Explicit,) * 2)
+    return _compat.make_mesh(SHAPE, AXES, axis_types=(AxisType.Explicit,) * 2)
   return Mesh(np.array(jax.devices()).reshape(SHAPE), AXES, axis_types=(AxisType.Auto,) * 2)
 
 
 def mesh_context(mode, mesh):
-  return jax.set_mesh(mesh) if mode == "auto_set_mesh" else contextlib.nullcontext()
+  return _compat.set_mesh(mesh) if mode == "auto_set_mesh" else contextlib.nullcontext()
 
 
 def make_params(mesh, layout, dtype=jnp.float32):
@@ -83,7 +84,7 @@ def test_jitted_init_places_the_accumulator_like_the_params(mode):
   mesh = make_mesh(mode.removesuffix("_set_mesh"))
   params = make_params(mesh, "fsdp", jnp.bfloat16)
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
-  ctx = jax.set_mesh(mesh) if mode.endswith("set_mesh") else contextlib.nullcontext()
+  ctx = _compat.set_mesh(mesh) if mode.endswith("set_mesh") else contextlib.nullcontext()
   with ctx:
     state = jax.jit(tx.init)(params)
   assert_placed_like(state.window.grad_sum, params)
@@ -197,7 +198,7 @@ def test_plain_jit_with_a_sharded_batch_all_reduces_every_microstep():
 
 def test_stack_windows_with_an_unknown_axis_names_the_mesh_axes():
   """Issue 11, item 7: an unknown axis raised a bare KeyError('model')."""
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = _compat.make_mesh((8,), ("data",))
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, axis_name="data")
   state = tx.init({"w": jnp.zeros(3)})
   for axis in ("model", ("data", "model")):

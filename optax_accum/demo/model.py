@@ -65,7 +65,9 @@ class CharTransformer(nnx.Module):
   ):
     self.embed = nnx.Embed(VOCAB_SIZE, dim, rngs=rngs, dtype=dtype)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, dim)))
-    self.blocks = nnx.List([Block(dim, heads, rngs=rngs, dtype=dtype) for _ in range(depth)])
+    # `nnx.List` exists since Flax 0.12; Flax 0.11 keeps a plain list of Modules.
+    modules = getattr(nnx, "List", list)
+    self.blocks = modules([Block(dim, heads, rngs=rngs, dtype=dtype) for _ in range(depth)])
     self.norm = nnx.LayerNorm(dim, rngs=rngs, dtype=dtype)
     self.head = nnx.Linear(dim, VOCAB_SIZE, rngs=rngs, dtype=dtype)
 

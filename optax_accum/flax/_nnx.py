@@ -15,22 +15,25 @@ from flax import nnx
 from optax_accum._actions import update_and_apply
 from optax_accum._state import find_states
 
+# `nnx.as_pure` exists since Flax 0.12.7; `nnx.pure` before it.
+_as_pure = getattr(nnx, "as_pure", None) or nnx.pure
 
-def _graph(optimizer: nnx.Optimizer) -> bool | None:
-  # `graph` exists since Flax 0.12; None means "the current nnx graph mode".
-  return getattr(optimizer, "graph", None)
+
+def _state(optimizer: nnx.Optimizer, node: Any, *filters: Any) -> Any:
+  """``nnx.state(node, *filters)`` in the optimizer's graph mode, where Flax has one (>= 0.12)."""
+  graph = getattr(optimizer, "graph", None)
+  return nnx.state(node, *filters) if graph is None else nnx.state(node, *filters, graph=graph)
 
 
 def _arrays(optimizer: nnx.Optimizer, model: Any) -> tuple[Any, Any]:
   """The ``wrt`` params of ``model`` and the optimizer state, as plain arrays."""
-  graph = _graph(optimizer)
-  return nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph)), nnx.as_pure(optimizer.opt_state)
+  return _as_pure(_state(optimizer, model, optimizer.wrt)), _as_pure(optimizer.opt_state)
 
 
 def _commit(optimizer: nnx.Optimizer, model: Any, params: Any, opt_state: Any) -> None:
   """Writes new params into ``model`` and the new state into ``optimizer``, in place."""
   nnx.update(model, params)
-  nnx.update(optimizer.opt_state, nnx.state(opt_state, graph=_graph(optimizer)))
+  nnx.update(optimizer.opt_state, _state(optimizer, opt_state))
 
 
 class Optimizer(nnx.Optimizer):
@@ -93,9 +96,9 @@ class Optimizer(nnx.Optimizer):
         match the params).
     """
     params, opt_state = _arrays(self, model)
-    grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=_graph(self)))
+    grads = _as_pure(_state(self, grads, self.wrt))
     self._step(
-      model, params, update_and_apply(self.tx, grads, opt_state, params, **nnx.as_pure(kwargs))
+      model, params, update_and_apply(self.tx, grads, opt_state, params, **_as_pure(kwargs))
     )
 
   def _step(self, model: Any, params: Any, result: tuple[Any, Any]) -> None:

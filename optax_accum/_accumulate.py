@@ -75,24 +75,25 @@ class Accumulation(optax.GradientTransformationExtraArgs):
   Attributes:
     init: ``init(params) -> AccumulationState``.
     update: ``update(grads, state, params=None, **extra_args) -> (updates, state)``.
-    update_and_apply: the fused step (a property: ``update.update_and_apply``).
+    update_and_apply: the fused step (a property, beside ``update``).
   """
 
   @property
   def update_and_apply(self) -> Callable[..., tuple[PyTree, PyTree]]:
     """The fused step: ``(grads, state, params, **extra_args) -> (new_params, new_state)``."""
-    return self.update.update_and_apply
+    return self.update.__self__.update_and_apply
 
   def _replace(self, **fields):
     """A plain ``GradientTransformationExtraArgs``: the fused step would not match a new field."""
     return optax.GradientTransformationExtraArgs(**{**self._asdict(), **fields})
 
 
-class _Update:
-  """``accumulate``'s ``update`` (callable as optax expects) and its fused step beside it.
+class _Steps:
+  """``accumulate``'s two steps; ``Accumulation.update`` is the bound method ``update``.
 
-  An object rather than a closure so that an ``Accumulation`` rebuilt from its
-  two fields (``jax.tree`` and Flax treat it as a NamedTuple) keeps the fused step.
+  A bound method, so that an ``Accumulation`` rebuilt from its two fields (``jax.tree``
+  and Flax treat it as a NamedTuple) still reaches the fused step, and ``update`` is
+  still a method for ``inspect`` and ``chex.assert_max_traces``.
   """
 
   def __init__(self, config: Config):
@@ -102,7 +103,7 @@ class _Update:
       out: jax.jit(functools.partial(_step.step, config, out)) for out in _buffers.Output
     }
 
-  def __call__(self, grads, state, params=None, **extra_args):
+  def update(self, grads, state, params=None, **extra_args):
     return _step.run(self.config, _buffers.Output.UPDATES, self.compiled, grads, state, params,
                      extra_args)  # fmt: skip
 
@@ -201,7 +202,7 @@ def accumulate(
   def init_fn(params):
     return init(config, params)
 
-  return Accumulation(init_fn, _Update(config))
+  return Accumulation(init_fn, _Steps(config).update)
 
 
 class Config(NamedTuple):

@@ -8,6 +8,7 @@ imported only where a model needs it.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -227,9 +228,11 @@ def _functional(loss_fn: Callable, params: Any) -> tuple[Callable, PyTree]:
 
     if isinstance(params, nnx.Module):
       graphdef, p, rest = nnx.split(params, nnx.Param, ...)
-      # copy=True: fresh Variables at the current trace level, so BatchNorm's
-      # in-place statistics update inside jax.grad does not raise TraceContextError.
-      return (lambda q, b: loss_fn(nnx.merge(graphdef, q, rest, copy=True), b)), p
+      # copy=True: fresh Variables at the current trace level, so BatchNorm's in-place
+      # statistics update inside jax.grad does not raise TraceContextError (Flax >= 0.12;
+      # older Flax always makes fresh Variables and has no `copy`).
+      fresh = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameters else {}
+      return (lambda q, b: loss_fn(nnx.merge(graphdef, q, rest, **fresh), b)), p
   return loss_fn, params
 
 

@@ -127,7 +127,7 @@ def render_eager(report: dict[str, Any]) -> str:
     "| --- | " + " | ".join("---" for _ in results) + " |",
   ]
   for key, label in EAGER_ROWS:
-    cells = [f"{r['ms'][key]:.2f} ({r['over_adam'][key]:.2f}x)" for r in results]
+    cells = [f"{r['ms'][key]:.2f} ({r['over_adam'][key]:.2g}x)" for r in results]
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   m = report["machine"]
   lines += [

@@ -16,8 +16,9 @@ import render_tables  # noqa: E402
 
 def test_readme_table_is_rendered_from_the_json():
   """README.md's performance tables are exactly what the committed JSON renders to."""
-  report = json.loads(render_tables.JSON.read_text())
-  assert render_tables.block(render_tables.README.read_text()) == render_tables.render(report)
+  readme = render_tables.README.read_text()
+  for markers, table in render_tables.tables():
+    assert render_tables.block(readme, markers) == table, markers[0]
   assert "benchmarks/results/microstep.json" in (ROOT / "docs" / "performance.md").read_text()
 
 
@@ -52,9 +53,10 @@ def test_quick_benchmarks(tmp_path):
   # parameter-sized copy; the default path's only ones are the boundary's copy of the
   # updates into the accumulator (one per leaf); its temporaries are the plain step's
   # plus at most one gradient-sized buffer (the boundary's updates).
-  # 18 int32/float32/bool scalars, the noise scale's 5, two exact weight counters
-  # (2 uint32 + 1 float32 each) and the window's weight in 7 parts: 127 bytes.
-  assert 0 < res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 160
+  # The plain configuration's 13 scalars: 5 int32 (mini_step, num_microbatches,
+  # num_updates, num_skipped, every_k), 5 float32 (the window's weight, value and value
+  # weight sums, window_loss, grad_norm) and 3 bools: 43 bytes (optional features off).
+  assert 0 < res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 64
   leaves = len(microstep.make_params(2**18))
   for name in ("accumulate_fused", "accumulate_fused_noise", "nnx_optimizer", "train_state"):
     assert res["variants"][name]["param_sized_copies"] == 0, name
@@ -64,3 +66,17 @@ def test_quick_benchmarks(tmp_path):
   assert res["ratios"]["temp_minus_plain_in_grad_buffers"] <= 1.01
   assert res["ratios"]["temp_fused_minus_plain_in_grad_buffers"] <= 0.5
   render_tables.render(micro)  # the quick report renders too
+
+
+@pytest.mark.slow
+def test_quick_eager_benchmark(tmp_path):
+  """eager.py --quick: every entry point timed, ratios against adam from the same run."""
+  out = tmp_path / "eager.json"
+  _, err = (proc := _start("eager.py", out)).communicate(timeout=600)
+  assert proc.returncode == 0, err.decode()[-3000:]
+  report = json.loads(out.read_text())
+  (res,) = report["results"]
+  assert set(res["ms"]) == {key for key, _ in render_tables.EAGER_ROWS}
+  for name, ms in res["ms"].items():
+    assert 0 < ms < 1e5 and abs(res["over_adam"][name] - ms / res["ms"]["adam"]) < 1e-9
+  render_tables.render_eager(report)  # the quick report renders too

@@ -1,14 +1,7 @@
 """Loss scales for fp16 training: their configuration and their pure update rule.
 
-A loss scale is configuration (it lives in the closure of
-:func:`optax_accum.accumulate`, so it survives ``jit``); the current scale and
-the streak of applied windows live in the state's own sub-state,
-:class:`LossScaleState` (``optax.EmptyState()`` without a loss scale).
-The rule follows PyTorch's ``torch.amp.GradScaler`` (same names and defaults,
-see https://pytorch.org/docs/stable/amp.html#gradient-scaling), with two
-differences: the growth interval counts applied *windows* (not calls), and the
-scale has a floor and a ceiling (PyTorch has neither, so its scale can grow to
-``inf`` and then skip every window).
+The policy is configuration (in :func:`optax_accum.accumulate`'s closure, so it
+survives ``jit``); the current scale and streak live in :class:`LossScaleState`.
 """
 
 from __future__ import annotations
@@ -28,14 +21,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
-  """A constant loss scale; make one with :func:`static_loss_scale`.
-
-  Attributes:
-    value: the factor the loss is multiplied by (float32, > 0).
-
-  Raises:
-    ValueError: if ``value`` is not positive and finite in float32.
-    TypeError: if ``value`` is not a number.
+  """A constant loss scale; make one with :func:`static_loss_scale` (its Args and Raises).
 
   Examples:
     >>> import optax_accum
@@ -64,36 +50,14 @@ class StaticLossScale:
   def adjust(
     self, scale: jax.Array, streak: jax.Array, finite: jax.Array
   ) -> tuple[jax.Array, jax.Array]:
-    """The (trivial) rule applied once per non-empty window boundary.
-
-    Args:
-      scale: the scale in force (float32, 0-d).
-      streak: applied windows since the last change of scale (int32, 0-d).
-      finite: whether the window's mean gradient was finite (bool, 0-d); unused.
-
-    Returns:
-      ``(scale, streak)`` unchanged: a static scale never moves.
-    """
+    """:meth:`DynamicLossScale.adjust` for a static scale: ``(scale, streak)`` unchanged."""
     del finite
     return scale, streak
 
 
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
-  """A loss scale that grows while windows are finite and backs off on overflow.
-
-  Attributes:
-    init_scale: the scale of the first window.
-    growth_factor: multiplies the scale after ``growth_interval`` consecutive
-      applied windows.
-    backoff_factor: multiplies the scale once per skipped (non-finite) window.
-    growth_interval: applied windows between growths.
-    min_scale: the floor; backoff never goes below it.
-    max_scale: the ceiling; growth never goes above it.
-
-  Raises:
-    ValueError: for a field outside the ranges of :func:`dynamic_loss_scale`.
-    TypeError: for a field that is not a number.
+  """A dynamic loss scale; make one with :func:`dynamic_loss_scale` (its fields, ranges, Raises).
 
   Examples:
     >>> import optax_accum
@@ -272,11 +236,11 @@ def dynamic_loss_scale(
 ) -> DynamicLossScale:
   """A dynamic loss scale for :func:`optax_accum.accumulate` (fp16 training).
 
-  Names and defaults are those of PyTorch's ``GradScaler``. The scale changes
-  only at window boundaries: it is halved (``backoff_factor``) once for each
-  skipped window and doubled (``growth_factor``) after ``growth_interval``
-  consecutive applied windows; it stays within ``[min_scale, max_scale]``.
-  Empty windows (weight sum 0) change nothing.
+  Names and defaults are those of PyTorch's ``GradScaler``, but the scale
+  changes only at window boundaries: it is multiplied by ``backoff_factor`` once
+  per skipped window and by ``growth_factor`` after ``growth_interval``
+  consecutive applied *windows*; it stays within ``[min_scale, max_scale]``
+  (PyTorch's can grow to ``inf``). Empty windows (weight sum 0) change nothing.
 
   Args:
     init_scale: scale of the first window (float32 > 0; a power of two keeps
@@ -296,7 +260,8 @@ def dynamic_loss_scale(
 
   References:
     Micikevicius et al., `Mixed Precision Training
-    <https://arxiv.org/abs/1710.03740>`_, 2018; PyTorch AMP gradient scaling notes.
+    <https://arxiv.org/abs/1710.03740>`_, 2018; PyTorch, `gradient scaling
+    <https://pytorch.org/docs/stable/amp.html#gradient-scaling>`_.
 
   Examples:
     >>> import optax, optax_accum

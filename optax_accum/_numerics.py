@@ -16,20 +16,12 @@ PyTree = Any
 
 
 def scalar_dtype() -> jnp.dtype:
-  """The dtype of weight sums and other float scalars in our state.
-
-  float32, or float64 when ``jax_enable_x64`` is on (so that float64 runs keep
-  float64 weight sums).
-  """
+  """The dtype of weight sums and float scalars in our state: float32, float64 under x64."""
   return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
 def promote_types(a: Any, b: Any) -> jnp.dtype:
-  """``jnp.promote_types`` that also works under ``jax_numpy_dtype_promotion='strict'``.
-
-  Choosing an accumulator dtype is our explicit decision, not an implicit
-  promotion, so it must not raise in strict mode.
-  """
+  """``jnp.promote_types`` that does not raise under ``jax_numpy_dtype_promotion='strict'``."""
   with jax.numpy_dtype_promotion("standard"):
     return jnp.dtype(jnp.promote_types(a, b))
 
@@ -73,12 +65,10 @@ def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
 
 
 def weighted_add(acc: PyTree, grads: PyTree, weight: jax.Array) -> PyTree:
-  """Returns ``acc + weight * grads`` leafwise, in the accumulator's dtypes.
+  """``acc + weight * grads`` leafwise in the accumulator's dtypes; ``weight == 0`` adds nothing.
 
-  A microbatch with ``weight == 0`` adds exactly nothing, even when its gradient
-  is NaN (an all-padding microbatch's masked mean is 0/0): selected, not
-  multiplied. A (traced) negative weight subtracts its microbatch, consistently
-  from the sum and from the weight sum.
+  Selected, not multiplied: a weight-0 microbatch's NaN gradient (0/0 of an
+  all-padding mask) is not read.
   """
 
   def add(a, g):
@@ -89,11 +79,7 @@ def weighted_add(acc: PyTree, grads: PyTree, weight: jax.Array) -> PyTree:
 
 
 def guarded_divide(tree: PyTree, denom: jax.Array) -> PyTree:
-  """Divides every leaf by the scalar ``denom``; leaves are zero where ``denom == 0``.
-
-  This is the one division of a window: the weighted sum by the weight sum
-  (times the loss scale). No 0/0 is ever evaluated.
-  """
+  """Every leaf divided by the scalar ``denom``; zeros where ``denom == 0`` (no 0/0 evaluated)."""
   nonzero = denom != 0
   safe = jnp.where(nonzero, denom, jnp.ones_like(denom))
 
@@ -112,15 +98,10 @@ def all_finite(tree: PyTree) -> jax.Array:
 
 
 def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Global L2 norm of ``g_sum / denom`` and whether every element of it is finite.
+  """Global L2 norm of ``g_sum / denom`` and whether all of it is finite, in one read.
 
-  The common case reads ``g_sum`` once: ``sqrt(sum(g_sum**2)) / |denom|``. When
-  that bound is finite and below a quarter of the dtype's maximum, no element
-  of the mean can be Inf or NaN. Otherwise (a non-finite window, or a sum of
-  squares that overflowed or may have underflowed: below ``tiny / eps``) the
-  exact check and norm of the guarded mean (rescaled by its largest element) run, so
-  the result never differs from ``all_finite`` / ``optax.tree.norm`` of the mean
-  except by rounding of the norm.
+  ``sqrt(sum(g_sum**2)) / |denom|`` when that is finite, below a quarter of the
+  dtype's max and above underflow; else an exact, rescaled pass (same result).
   """
   leaves = jax.tree.leaves(g_sum)
   if not leaves:
@@ -133,10 +114,8 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   absd = jnp.abs(safe)
   bound = jnp.where(nonzero, jnp.sqrt(sq.astype(dtype)) / absd, jnp.zeros((), dtype))
   fast = jnp.isfinite(bound) & (bound < jnp.asarray(limit, dtype))
-  # Nor underflow: a sum of squares below tiny / eps may have lost its elements
-  # (weight=1e-25 squares to 0 in float32), so the norm would read 0 and
-  # clipping would not happen. Such windows (all-zero ones too) take the exact,
-  # rescaled path.
+  # Nor underflow: below tiny / eps the squares may have been lost (weight=1e-25
+  # squares to 0 in float32) and clipping would not happen.
   sq_info = jnp.finfo(sq.dtype)
   fast = fast & (sq >= jnp.asarray(float(sq_info.tiny) / float(sq_info.eps), sq.dtype))
   for x in leaves:  # the divisor must not underflow in a narrow accumulator dtype
@@ -166,24 +145,11 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   return jax.lax.cond(fast, lambda _: (bound, jnp.isfinite(bound)), exact, None)
 
 
-def clip_factor(norm: jax.Array, max_norm: float) -> jax.Array:
-  """The scalar ``optax.clip_by_global_norm(max_norm)`` multiplies by, given the ``norm``.
-
-  1 below the threshold (so unclipped windows are bit-identical), else
-  ``max_norm / norm``. Clipped values may differ from optax's
-  ``(t / norm) * max_norm`` in the last bit.
-  """
-  return jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
-
-
 def mean_dtypes(grads: PyTree, params: PyTree | None) -> PyTree:
-  """Per leaf, the dtype the window mean is handed to the inner optimizer in.
+  """Per leaf, the dtype the inner optimizer gets the window mean in: the wider of grad and param.
 
-  The wider of the gradient's and the param's dtype (``promote_types``): the
-  inner optimizer never computes in a dtype narrower than the gradients it
-  would receive without accumulation (fp16 params with float32 gradients get a
-  float32 mean: Adam's ``eps`` underflows in fp16), and float32 master params
-  keep the float32 mean of bf16/fp16 gradients. Issue 11, item 3.
+  Never narrower than the gradients (Adam's ``eps`` underflows in fp16), and
+  float32 master params keep the float32 mean of bf16 gradients.
 
   Args:
     grads: the gradients (arrays or anything with ``dtype``).
@@ -211,21 +177,16 @@ def mean_dtypes(grads: PyTree, params: PyTree | None) -> PyTree:
 def window_mean(
   g_sum: PyTree, denom: jax.Array, norm: jax.Array, clip_norm: float | None, like: PyTree
 ) -> PyTree:
-  """The window mean as the inner optimizer receives it.
+  """``g_sum * (1 / denom)``, clipped given the pre-clip ``norm``, cast to ``like``'s dtypes.
 
-  ``g_sum * (1 / denom)``, clipped to ``clip_norm`` given the pre-clip global
-  ``norm``, cast leafwise to the dtypes of ``like`` (:func:`mean_dtypes`); zeros
-  where ``denom == 0``.
-  One scalar per window (the reciprocal of ``denom`` times the clip factor)
-  multiplies every element, so XLA fuses the mean into the inner optimizer's
-  passes instead of materializing it (it does not duplicate a division into its
-  consumers). For ``denom`` a power of two (a weight sum of 1, any ``2**k``
-  loss scale) this is the exact quotient; otherwise within 1 ulp of it.
+  One scalar multiplies every element, so XLA fuses the mean into the inner
+  optimizer (docs/performance.md); exact for a power-of-two ``denom``, else 1 ulp.
   """
   nonzero = denom != 0
   factor = jnp.where(nonzero, 1 / jnp.where(nonzero, denom, jnp.ones_like(denom)), 0)
-  if clip_norm is not None:
-    factor = factor * clip_factor(norm, clip_norm).astype(factor.dtype)
+  if clip_norm is not None:  # 1 below the threshold: unclipped windows are bit-identical
+    clip = jnp.where(norm < clip_norm, jnp.ones_like(norm), clip_norm / norm)
+    factor = factor * clip.astype(factor.dtype)
 
   def scale(x, t):
     y = jnp.where(nonzero, x * factor.astype(x.dtype), jnp.zeros((), x.dtype))
@@ -241,13 +202,9 @@ def _narrow(dtype: Any) -> bool:
 def updates_finite(
   updates: PyTree, new_inner: PyTree, old_inner: PyTree, like: PyTree
 ) -> jax.Array | None:
-  """Whether the inner optimizer's updates (and its narrowed state) are finite; None: not read.
+  """Whether the inner updates (and 16-bit inner state) are finite; None if no 16-bit dtype.
 
-  Read only where a 16-bit dtype is involved: an update leaf, a leaf of ``like``
-  (the mean's and the output's dtypes), or an inner-state leaf kept in 16 bits
-  (``old_inner``'s dtype). A finite float32 mean gives finite float32 updates for
-  every optax optimizer short of an absurd learning rate, so the common float32
-  step pays no pass over the updates. Issue 11, item 3.
+  A finite float32 mean gives finite float32 updates, so float32 steps skip the pass.
 
   Args:
     updates: the inner optimizer's updates, in their final dtypes.
@@ -277,12 +234,9 @@ def updates_finite(
 def fits(
   g_sum: PyTree, denom: jax.Array, norm: jax.Array, clip_norm: float | None, like: PyTree
 ) -> jax.Array:
-  """Whether the (finite) window mean stays finite once cast to ``like``'s dtypes.
+  """Whether the finite window mean stays finite cast to ``like``'s (maybe fp16) dtypes.
 
-  A narrower dtype (fp16, max 65504) can overflow in the cast, e.g. under a
-  loss scale below 1. No element exceeds the (clipped) global norm, so the
-  elements are read only when that bound is above the narrowest target's
-  maximum; float32 targets of a float32 accumulator cost nothing.
+  Elements are read only when the (clipped) norm exceeds the narrowest target's max.
   """
   pairs = zip(jax.tree.leaves(like), jax.tree.leaves(g_sum), strict=True)
   limits = [

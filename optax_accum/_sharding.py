@@ -1,12 +1,6 @@
 """Sharded optimizer states: placement under ``jit`` and per-device windows in ``shard_map``.
 
-Under ``jax.jit`` with sharded params, :func:`init_sharded` places every state
-leaf shaped like a param on that param's sharding (``jax.jit(tx.init)`` alone
-leaves it to the compiler, which puts it on one device or replicates it). Under
-``jax.shard_map`` with ``axis_name``, the window sums differ between devices, so
-between calls they live on a leading device axis (:func:`stack_windows`,
-:func:`window_specs`), dropped and restored inside the body by
-:func:`local_state` and :func:`stacked_state`; the rest is replicated.
+Why and when to use each function: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -38,14 +32,12 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
   """Shardings for ``tx.init(params)``'s state, derived from the params' shardings.
 
-  Every subtree of the state with the params' tree structure and shapes (our
-  accumulator, Adam's ``mu`` and ``nu``, ...) gets the params' shardings leaf
-  by leaf; any other leaf with the shape of a param gets that param's sharding
-  when all params of that shape share one; the rest (counters, scalars,
-  factored moments) is replicated on the params' mesh. Dtypes do not matter: a
-  float32 accumulator of a bfloat16 param is sharded like the param.
+  A subtree shaped like the params (accumulator, Adam's moments; any dtype) is
+  sharded like them; another leaf of a param's shape like that param when all
+  params of that shape agree; the rest is replicated on the params' mesh.
 
   Args:
+    tx: any ``optax.GradientTransformation``.
     params: a tree of ``jax.Array`` (or ``jax.ShapeDtypeStruct`` with a
       ``sharding``), all on one mesh, e.g. placed with
       ``jax.device_put(params, NamedSharding(mesh, spec))``.
@@ -104,12 +96,9 @@ def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
 
 
 def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
-  """``tx.init(params)`` compiled with the state placed like the params.
+  """``tx.init(params)`` jitted with ``out_shardings=state_shardings(tx, params)``.
 
-  Works for any optax transformation (the inner optimizer's moments included)
-  in every mesh mode: an Auto-axes ``Mesh`` with or without ``jax.set_mesh``,
-  and an Explicit mesh from ``jax.make_mesh``. Call it outside ``jit``; it
-  jits ``tx.init`` itself with ``out_shardings=state_shardings(tx, params)``.
+  Call it outside ``jit``; any mesh mode (docs/scaling.md).
 
   Args:
     tx: any ``optax.GradientTransformation``.
@@ -136,12 +125,9 @@ def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
 
 
 def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
-  """``PartitionSpec``s for an optimizer state passed through ``jax.shard_map``.
+  """The state's ``in_specs``/``out_specs`` for ``jax.shard_map``: ``P(axis_name)`` for windows.
 
-  Use them as the state's entry of ``in_specs`` and ``out_specs``. The window
-  sums of every :class:`AccumulationState` (every leaf of ``state.window``)
-  are per device: ``P(axis_name)`` on their leading device axis (see
-  :func:`stack_windows`). Every other leaf is the same on every device: ``P()``.
+  Every leaf of each ``state.window`` is per device (its leading axis); the rest ``P()``.
 
   Args:
     opt_state: the optimizer state (or its ``jax.eval_shape``), with or
@@ -171,12 +157,8 @@ def stack_windows(
 ) -> PyTree:
   """Places a state on ``mesh`` for a ``shard_map`` step, one window per device.
 
-  Call it once, outside ``jit``, on a fresh ``tx.init(params)`` state. The
-  window sums get a leading axis of length ``mesh.shape[axis_name]`` (a copy
-  per device, sharded ``P(axis_name)``); every other leaf is replicated. Each
-  device then reads only its own block. Works across processes: every
-  process passes the same ``opt_state`` (as each one computes from the same
-  ``tx.init``).
+  Call it once, outside ``jit``, on a fresh ``tx.init(params)`` state; across
+  processes, every process passes the same state.
 
   Args:
     opt_state: an optimizer state containing ``accumulate`` states, without
@@ -225,10 +207,7 @@ def stack_windows(
 
 
 def local_state(opt_state: PyTree) -> PyTree:
-  """Inside ``shard_map``: drops the device axis (block of 1) of the window sums.
-
-  The result is a state ``tx.update`` accepts. :func:`stacked_state` undoes it
-  before the state is returned from the ``shard_map`` body.
+  """Inside ``shard_map``: drops the window sums' device axis (a block of 1) for ``tx.update``.
 
   Args:
     opt_state: the ``shard_map`` body's block of a state laid out by
@@ -266,11 +245,7 @@ def local_state(opt_state: PyTree) -> PyTree:
 
 
 def stacked_state(opt_state: PyTree) -> PyTree:
-  """Inside ``shard_map``: gives the window sums back their device axis (a block of 1).
-
-  Inverse of :func:`local_state`: call it on the state ``tx.update`` returned,
-  before returning it from the ``shard_map`` body with :func:`window_specs` as
-  its ``out_specs``.
+  """Inside ``shard_map``: the inverse of :func:`local_state`, before the body returns.
 
   Args:
     opt_state: a state whose window sums (``state.window``) have their

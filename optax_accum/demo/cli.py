@@ -1,4 +1,4 @@
-"""Command line: ``optax-accum demo`` (or ``python -m optax_accum demo``).
+"""The demo's command line: ``optax-accum demo`` (or ``python -m optax_accum demo``).
 
 Trains a small Flax NNX byte-level transformer on Python's standard-library
 sources with token-weighted gradient accumulation, after a pre-flight check

@@ -32,24 +32,20 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
   """Shardings for ``tx.init(params)``'s state, derived from the params' shardings.
 
-  A subtree shaped like the params (accumulator, Adam's moments; any dtype) is
-  sharded like them; another leaf of a param's shape like that param when all
-  params of that shape agree; the rest is replicated on the params' mesh.
+  A subtree shaped like the params (accumulator, Adam's moments) is sharded like
+  them; another leaf of a param's shape like that param when all params of that
+  shape agree; the rest is replicated on the params' mesh.
 
   Args:
     tx: any ``optax.GradientTransformation``.
-    params: a tree of ``jax.Array`` (or ``jax.ShapeDtypeStruct`` with a
-      ``sharding``), all on one mesh, e.g. placed with
-      ``jax.device_put(params, NamedSharding(mesh, spec))``.
+    params: a tree of sharded ``jax.Array`` (or ``ShapeDtypeStruct``), one mesh.
 
   Returns:
-    A tree of ``jax.sharding.Sharding`` with the structure of the state: use
-    it as ``out_shardings`` of ``jax.jit(tx.init)``, or in the abstract target
-    of a checkpoint restore.
+    A tree of ``jax.sharding.Sharding`` shaped like the state: ``out_shardings``
+    of ``jax.jit(tx.init)``, or a checkpoint restore's target.
 
   Raises:
-    TypeError: if a param has no sharding (a NumPy array) or a sharding from
-      which no replicated sharding can be derived.
+    TypeError: if a param has no sharding, or one with no replicated counterpart.
 
   Examples:
     >>> import optax, optax_accum
@@ -96,20 +92,9 @@ def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
 
 
 def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
-  """``tx.init(params)`` jitted with ``out_shardings=state_shardings(tx, params)``.
+  """``tx.init(params)`` jitted with ``out_shardings=state_shardings(tx, params)`` (outside jit).
 
-  Call it outside ``jit``; any mesh mode (docs/scaling.md).
-
-  Args:
-    tx: any ``optax.GradientTransformation``.
-    params: a tree of sharded ``jax.Array`` (see :func:`state_shardings`).
-
-  Returns:
-    The initial state; leaves shaped like a param have that param's sharding,
-    scalars are replicated over the params' mesh.
-
-  Raises:
-    TypeError: as :func:`state_shardings`.
+  Args and Raises as :func:`state_shardings`; returns the initial state.
 
   Examples:
     >>> import optax, optax_accum
@@ -127,17 +112,13 @@ def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
 def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   """The state's ``in_specs``/``out_specs`` for ``jax.shard_map``: ``P(axis_name)`` for windows.
 
-  Every leaf of each ``state.window`` is per device (its leading axis); the rest ``P()``.
-
   Args:
-    opt_state: the optimizer state (or its ``jax.eval_shape``), with or
-      without the device axis.
-    axis_name: the mesh axis (or tuple of axes) the windows are accumulated
-      over, the same as ``accumulate(..., axis_name=...)``.
+    opt_state: the optimizer state (or its ``jax.eval_shape``).
+    axis_name: the mesh axis (or axes) of ``accumulate(..., axis_name=...)``.
 
   Returns:
-    A tree of ``PartitionSpec`` with the structure of ``opt_state``. It raises
-    nothing: a state without an ``accumulate`` state gets ``P()`` everywhere.
+    A tree of ``PartitionSpec`` like ``opt_state``: every leaf of each
+    ``state.window`` per device (its leading axis), the rest ``P()``.
 
   Examples:
     >>> import optax, optax_accum
@@ -155,25 +136,21 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
 def stack_windows(
   opt_state: PyTree, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]
 ) -> PyTree:
-  """Places a state on ``mesh`` for a ``shard_map`` step, one window per device.
+  """Places a fresh ``tx.init(params)`` state on ``mesh`` for ``shard_map``, one window per device.
 
-  Call it once, outside ``jit``, on a fresh ``tx.init(params)`` state; across
-  processes, every process passes the same state.
+  Call it once, outside ``jit`` (every process with the same state).
 
   Args:
-    opt_state: an optimizer state containing ``accumulate`` states, without
-      a device axis (host-fetchable arrays).
-    mesh: the device mesh of the ``shard_map``.
-    axis_name: the mesh axis (or tuple of axes) of the data-parallel replicas.
+    opt_state: a state containing ``accumulate`` states, without a device axis.
+    mesh: the ``shard_map``'s mesh.
+    axis_name: the mesh axis (or axes) of the data-parallel replicas.
 
   Returns:
-    The state with global ``jax.Array`` leaves laid out per :func:`window_specs`:
-    window sums ``[n, *shape]`` with ``n = mesh.shape[axis_name]`` (the product
-    over a tuple of axes), same dtypes.
+    Global arrays laid out per :func:`window_specs`: window sums ``[n, *shape]``,
+    ``n`` the product of the axes' sizes.
 
   Raises:
-    KeyError: if ``axis_name`` (or one of its axes) is not an axis of ``mesh``;
-      the message lists the mesh's axes.
+    KeyError: if an axis of ``axis_name`` is not in ``mesh`` (naming its axes).
 
   Examples:
     >>> import optax, optax_accum
@@ -210,17 +187,13 @@ def local_state(opt_state: PyTree) -> PyTree:
   """Inside ``shard_map``: drops the window sums' device axis (a block of 1) for ``tx.update``.
 
   Args:
-    opt_state: the ``shard_map`` body's block of a state laid out by
-      :func:`stack_windows` (window sums ``[1, *shape]``); any nesting
-      (``optax.chain``, ...) of ``accumulate`` states.
+    opt_state: the body's block of a :func:`stack_windows` state (sums ``[1, *shape]``).
 
   Returns:
-    The same structure with the window sums ``[*shape]`` (the leading axis
-    indexed away; dtypes unchanged). Every other leaf is passed through.
+    The same tree with the window sums ``[*shape]``; other leaves unchanged.
 
   Raises:
-    ValueError: if the window sums have no device axis (a state that did not
-      come from :func:`stack_windows`), naming what to pass instead.
+    ValueError: if the window sums have no device axis.
 
   Examples:
     >>> import optax, optax_accum
@@ -247,13 +220,7 @@ def local_state(opt_state: PyTree) -> PyTree:
 def stacked_state(opt_state: PyTree) -> PyTree:
   """Inside ``shard_map``: the inverse of :func:`local_state`, before the body returns.
 
-  Args:
-    opt_state: a state whose window sums (``state.window``) have their
-      per-device shapes ``[*shape]``.
-
-  Returns:
-    The same structure with the window sums ``[1, *shape]`` (dtypes
-    unchanged); every other leaf is passed through.
+  Returns ``opt_state`` with the window sums ``[1, *shape]``; other leaves unchanged.
 
   Examples:
     >>> import optax, optax_accum

@@ -246,8 +246,6 @@ def train(
   t_start = time.perf_counter()
   train_lines, eval_lines = split_lines(config)
   eval_batches = microbatches(eval_lines, config.seq_len, max(config.microbatch_size, 64))
-  epoch_rng = np.random.default_rng(config.seed + 1)
-
   model = make_model(config)
   inner = make_inner(config) if inner is None else inner
   budget = config.tokens_per_update
@@ -259,48 +257,12 @@ def train(
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
-
-  _write(
-    out,
-    f"optax_accum demo: a byte-level transformer ({num_params:,} params: dim {config.dim}, "
-    f"depth {config.depth}, {config.heads} heads) on {len(train_lines) + len(eval_lines):,} "
-    f"lines of Python's standard library ({config.max_files} files), jax {jax.__version__} "
-    f"on {jax.default_backend()}",
-  )
-  window = f"every_k={config.every_k} microbatches"
-  if budget is not None:
-    window = f"the first microbatch reaching --tokens-per-update {budget} real bytes closes it"
-  _write(
-    out,
-    f"window: {window}, {config.microbatch_size} lines of <= {config.seq_len} bytes per "
-    f"microbatch, weight = real bytes per microbatch; inner: adamw("
-    f"{config.learning_rate:g}, weight_decay={config.weight_decay:g}), warmup-cosine over "
-    f"{config.updates} updates",
-  )
-
-  report = None
-  if check:
-    report = preflight(model, epoch[: config.every_k], inner)
-    _write(out, "\nPre-flight: the first window of real text, accumulated vs one physical batch")
-    _write(out, str(report))
-    acc_diff = accumulated_difference(report)
-    mom = report.mean_of_means.max_rel
-    ratio = f" ({mom / acc_diff:,.0f}x larger)" if acc_diff > 0 else ""
-    _write(out, f"pre-flight: accumulated vs physical batch max rel diff = {acc_diff:.2e}")
-    _write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
-    if report.update_across_step.max_rel > 100 * max(acc_diff, 1e-7):
-      note = (
-        "(The AdamW rows differ more: Adam's first step g / (|g| + eps) is steep where |g| "
-        "is near eps = 1e-8, a few gradients are that small by chance, and their float32 "
-        "rounding (1e-10 or so) moves their steps by about rounding / eps, a percent or two "
-        "of the learning rate. Compare gradients, as above.)"
-      )
-      _write(out, textwrap.fill(note, width=100))
+  _write_header(out, config, num_params, len(train_lines) + len(eval_lines))
+  report = _report_preflight(out, model, epoch[: config.every_k], inner) if check else None
 
   graphdef, state = nnx.split((model, optimizer))
   loss_sum_and_tokens = _make_eval(graphdef)
   step = _make_step(graphdef).lower(state, epoch[0], np.bool_(False)).compile()
-
   eval_before = _evaluate(loss_sum_and_tokens, state, eval_batches)
   if budget is None:
     planned = planned_microbatches(config, len(epoch))
@@ -312,11 +274,127 @@ def train(
     f"({planned / len(epoch):.1f} epochs of {len(epoch):,}); held-out loss before: "
     f"{eval_before:.4f}",
   )
+  run = _loop(config, step, state, train_lines, planned, out, progress)
+  # The loop stops right after a window closed, so no window is left open here:
+  # an open one would be closed with flush=True on its last microbatch.
+  model, optimizer = nnx.merge(graphdef, run.state)
+  final = optax_accum.metrics(optimizer.opt_state)
+  losses = np.asarray([float(x) for x in run.window_losses], np.float64)
+  result = TrainResult(
+    preflight=report,
+    losses=losses,
+    eval_before=eval_before,
+    eval_after=_evaluate(loss_sum_and_tokens, run.state, eval_batches),
+    metrics={k: v.item() for k, v in final._asdict().items() if v is not None},
+    tokens=run.tokens,
+    flushed_windows=run.flushed,
+    window_tokens=np.asarray(run.window_weights, np.int64),
+    train_seconds=run.train_seconds,
+    tokens_per_second=run.tokens / run.train_seconds,
+    model=model,
+  )
+  _write_summary(out, result, config, run.full_windows, t_start)
+  return result
 
-  t0 = last_postfix = time.perf_counter()
-  use_bar = progress and _is_tty(sys.stderr) and _is_tty(sys.stdout)
-  lines_every = max(1, config.updates // PROGRESS_LINES) if progress and not use_bar else 0
-  bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
+
+def _write_header(out: TextIO | None, config: DemoConfig, num_params: int, num_lines: int) -> None:
+  _write(
+    out,
+    f"optax_accum demo: a byte-level transformer ({num_params:,} params: dim {config.dim}, "
+    f"depth {config.depth}, {config.heads} heads) on {num_lines:,} "
+    f"lines of Python's standard library ({config.max_files} files), jax {jax.__version__} "
+    f"on {jax.default_backend()}",
+  )
+  budget = config.tokens_per_update
+  window = f"every_k={config.every_k} microbatches"
+  if budget is not None:
+    window = f"the first microbatch reaching --tokens-per-update {budget} real bytes closes it"
+  _write(
+    out,
+    f"window: {window}, {config.microbatch_size} lines of <= {config.seq_len} bytes per "
+    f"microbatch, weight = real bytes per microbatch; inner: adamw("
+    f"{config.learning_rate:g}, weight_decay={config.weight_decay:g}), warmup-cosine over "
+    f"{config.updates} updates",
+  )
+
+
+def _report_preflight(
+  out: TextIO | None, model: CharTransformer, window: list[Batch], inner: Any
+) -> EquivalenceReport:
+  """Runs :func:`preflight` on the first window and prints its report."""
+  report = preflight(model, window, inner)
+  _write(out, "\nPre-flight: the first window of real text, accumulated vs one physical batch")
+  _write(out, str(report))
+  acc_diff = accumulated_difference(report)
+  mom = report.mean_of_means.max_rel
+  ratio = f" ({mom / acc_diff:,.0f}x larger)" if acc_diff > 0 else ""
+  _write(out, f"pre-flight: accumulated vs physical batch max rel diff = {acc_diff:.2e}")
+  _write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
+  if report.update_across_step.max_rel > 100 * max(acc_diff, 1e-7):
+    note = (
+      "(The AdamW rows differ more: Adam's first step g / (|g| + eps) is steep where |g| "
+      "is near eps = 1e-8, a few gradients are that small by chance, and their float32 "
+      "rounding (1e-10 or so) moves their steps by about rounding / eps, a percent or two "
+      "of the learning rate. Compare gradients, as above.)"
+    )
+    _write(out, textwrap.fill(note, width=100))
+  return report
+
+
+class _Run(NamedTuple):
+  """What the training loop counted."""
+
+  state: Any
+  window_losses: list[Any]
+  window_weights: list[int]
+  full_windows: list[bool]
+  tokens: int
+  flushed: int
+  train_seconds: float
+
+
+class _Progress:
+  """The tqdm bar (when stdout and stderr are terminals), else a plain line per tenth of the run."""
+
+  def __init__(self, out: TextIO | None, config: DemoConfig, progress: bool):
+    self.out, self.config = out, config
+    use_bar = progress and _is_tty(sys.stderr) and _is_tty(sys.stdout)
+    self.lines_every = max(1, config.updates // PROGRESS_LINES) if progress and not use_bar else 0
+    self.bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
+    self.t0 = self.last_postfix = time.perf_counter()
+
+  def closed(self, m: Any, before: int, after: int, tokens: int, window_tokens: int) -> None:
+    """A window closed: ``num_updates`` went from ``before`` to ``after``."""
+    self.bar.update(after - before)
+    if self.lines_every and after // self.lines_every > before // self.lines_every:
+      elapsed = time.perf_counter() - self.t0
+      _write(
+        self.out,
+        f"update {after}/{self.config.updates}: loss {float(m.window_loss):.3f}, "
+        f"{window_tokens} tokens in this update, {tokens / elapsed:,.0f} tokens/s, "
+        f"{_duration(elapsed)} elapsed, B_simple {float(m.noise_scale):,.0f} tokens",
+      )
+    if time.perf_counter() - self.last_postfix > 0.5:
+      self.last_postfix = time.perf_counter()
+      rate = tokens / (self.last_postfix - self.t0)
+      self.bar.set_postfix(
+        loss=f"{float(m.window_loss):.3f}",
+        tok_s=f"{rate:,.0f}",
+        b_noise=f"{float(m.noise_scale):,.0f}",
+        refresh=False,
+      )
+
+  def close(self, m: Any, tokens: int, seconds: float) -> None:
+    self.bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{tokens / seconds:,.0f}")
+    self.bar.close()
+
+
+def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
+  """Trains until ``config.updates`` windows are applied, reshuffling the lines each epoch."""
+  epoch_rng = np.random.default_rng(config.seed + 1)
+  epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
+  budget = config.tokens_per_update
+  shown = _Progress(out, config, progress)
   window_losses, window_weights, full_windows, tokens, flushed, num_updates = [], [], [], 0, 0, 0
   pending = pending_tokens = 0  # the open window's microbatches and tokens (a host mirror)
   done, mark = 0, None  # microbatches run; (time, done) when the timing started
@@ -339,7 +417,7 @@ def train(
         closes and _since(mark) >= TIMING_SECONDS or _since(mark) > TIMING_MAX_SECONDS
       ):
         jax.block_until_ready(m.num_updates)
-        _estimate(out, time.perf_counter() - t0, mark, done, planned)
+        _estimate(out, time.perf_counter() - shown.t0, mark, done, planned)
         mark = False
       if not closes:
         continue
@@ -351,61 +429,29 @@ def train(
       window_weights.append(pending_tokens)
       pending = pending_tokens = 0
       new_updates = int(m.num_updates)  # waits for this step: one sync per window
-      bar.update(new_updates - num_updates)
-      if lines_every and new_updates // lines_every > num_updates // lines_every:
-        elapsed = time.perf_counter() - t0
-        _write(
-          out,
-          f"update {new_updates}/{config.updates}: loss {float(m.window_loss):.3f}, "
-          f"{window_weights[-1]} tokens in this update, {tokens / elapsed:,.0f} tokens/s, "
-          f"{_duration(elapsed)} elapsed, B_simple {float(m.noise_scale):,.0f} tokens",
-        )
+      shown.closed(m, num_updates, new_updates, tokens, window_weights[-1])
       num_updates = new_updates
-      if time.perf_counter() - last_postfix > 0.5:
-        last_postfix = time.perf_counter()
-        rate = tokens / (last_postfix - t0)
-        bar.set_postfix(
-          loss=f"{float(m.window_loss):.3f}",
-          tok_s=f"{rate:,.0f}",
-          b_noise=f"{float(m.noise_scale):,.0f}",
-          refresh=False,
-        )
       if num_updates >= config.updates:
         break
     epoch_rng.shuffle(train_lines)
     epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
-  train_seconds = time.perf_counter() - t0
-  bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{tokens / train_seconds:,.0f}")
-  bar.close()
-  # The loop stops right after a window closed, so no window is left open here:
-  # an open one would be closed with flush=True on its last microbatch.
-  model, optimizer = nnx.merge(graphdef, state)
+  train_seconds = time.perf_counter() - shown.t0
+  shown.close(m, tokens, train_seconds)
+  return _Run(state, window_losses, window_weights, full_windows, tokens, flushed, train_seconds)
 
-  final = optax_accum.metrics(optimizer.opt_state)
-  final = {k: v.item() for k, v in final._asdict().items() if v is not None}
-  losses = np.asarray([float(x) for x in window_losses], np.float64)
-  window_tokens = np.asarray(window_weights, np.int64)
-  eval_after = _evaluate(loss_sum_and_tokens, state, eval_batches)
-  result = TrainResult(
-    preflight=report,
-    losses=losses,
-    eval_before=eval_before,
-    eval_after=eval_after,
-    metrics=final,
-    tokens=tokens,
-    flushed_windows=flushed,
-    window_tokens=window_tokens,
-    train_seconds=train_seconds,
-    tokens_per_second=tokens / train_seconds,
-    model=model,
-  )
+
+def _write_summary(
+  out: TextIO | None, r: TrainResult, config: DemoConfig, full_windows: list[bool], t_start: float
+) -> None:
+  losses, window_tokens, final, flushed = r.losses, r.window_tokens, r.metrics, r.flushed_windows
+  budget, tokens = config.tokens_per_update, r.tokens
   tail = min(20, len(losses))
   _write(
     out,
     f"training loss: {losses[0]:.4f} (update 1) -> {losses[-tail:].mean():.4f} "
     f"(mean of the last {tail} updates)",
   )
-  _write(out, f"held-out loss: {eval_before:.4f} -> {eval_after:.4f} nats/byte")
+  _write(out, f"held-out loss: {r.eval_before:.4f} -> {r.eval_after:.4f} nats/byte")
   full = window_tokens[np.asarray(full_windows[: len(window_tokens)], bool)]
   _write(
     out,
@@ -418,7 +464,7 @@ def train(
     out,
     f"metrics: num_updates={final['num_updates']} num_skipped={final['num_skipped']} "
     f"num_microbatches={final['num_microbatches']} flushed_windows={flushed} "
-    f"tokens={tokens:,} ({tokens / train_seconds:,.0f} tokens/s); "
+    f"tokens={tokens:,} ({tokens / r.train_seconds:,.0f} tokens/s); "
     f"total {time.perf_counter() - t_start:.1f} s",
   )
   _write(
@@ -427,4 +473,3 @@ def train(
     f"{final['noise_scale']:,.0f} tokens; effective batch: "
     f"{tokens / max(final['num_updates'], 1):,.0f} tokens per update (docs/noise_scale.md)",
   )
-  return result

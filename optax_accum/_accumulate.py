@@ -247,7 +247,8 @@ class Config(NamedTuple):
 
 
 def _config(inner, every_k, window_weight, window_weight_of, accumulator_dtype, loss_scale,
-            clip_norm, skip_nonfinite, axis_name, noise_scale_decay, skip_if) -> Config:  # fmt: skip
+            clip_norm, skip_nonfinite, axis_name, noise_scale_decay,
+            skip_if) -> Config:  # fmt: skip
   """Validates ``accumulate``'s arguments, each with an error naming it and the fix."""
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise TypeError(

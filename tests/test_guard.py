@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compat import make_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from _compat import make_mesh
 from models import linear_regression_data, linear_regression_loss, linear_regression_params
 
 import optax_accum
@@ -114,7 +114,7 @@ def test_the_rule_matches_a_float64_reference(norms):
     got.append(int(optax_accum.metrics(state).num_spikes) > before)
   # float32 and float64 may disagree within rounding of the threshold: skip such draws.
   seen = []
-  for x, skipped in zip(norms, got):
+  for x, skipped in zip(norms, got, strict=True):
     recent = np.asarray(seen[-5:], np.float64)
     if len(seen) >= 3:
       bound = recent.mean() + 1.5 * recent.std(ddof=1)

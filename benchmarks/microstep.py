@@ -14,6 +14,9 @@ state donated, run on the same params in one process. Variants:
 * ``accumulate_noise``, ``accumulate_fused_noise``: the two above with
   ``noise_scale_decay=0.9`` (the gradient noise scale: one more scalar per
   microstep, ``weight * |g|^2``, and its estimate at the boundary).
+* ``accumulate_fused_guard``: ``accumulate_fused`` with
+  ``skip_if=spike_rule("grad_norm")`` (the boundary guard: a few scalars and a
+  ring of 128 norms at the boundary, nothing between).
 * ``nnx_optimizer``: an NNX model step through ``optax_accum.flax.Optimizer``.
 * ``train_state``: a Linen-style step through ``optax_accum.flax.TrainState``.
 
@@ -191,6 +194,7 @@ VARIANTS = (
   "accumulate_fused",
   "accumulate_noise",
   "accumulate_fused_noise",
+  "accumulate_fused_guard",
   "nnx_optimizer",
   "train_state",
 )
@@ -213,6 +217,10 @@ def run_config(
     "accumulate_fused": (optax_accum.accumulate(inner, every_k=k), "fused"),
     "accumulate_noise": (noisy, "plain"),
     "accumulate_fused_noise": (noisy, "fused"),
+    "accumulate_fused_guard": (
+      optax_accum.accumulate(inner, every_k=k, skip_if=optax_accum.spike_rule("grad_norm")),
+      "fused",
+    ),
   }
   txs = {name: v for name, v in txs.items() if name in only}
   # run = [step, first arg, second arg, grads]; step(a, b, grads) -> (a, b), a and b donated.
@@ -328,6 +336,15 @@ def ratios(v: dict[str, dict[str, Any]], inner_state_bytes: int, param_bytes: in
       f"non_boundary_{path}noise_over_off",
       (on, off),
       lambda on=on, off=off: v[on]["non_boundary_ms"] / v[off]["non_boundary_ms"],
+    )
+  # The boundary guard's cost (skip_if=spike_rule("grad_norm") on / off), fused path.
+  for when in ("boundary", "non_boundary"):
+    put(
+      f"{when}_fused_guard_over_off",
+      ("accumulate_fused_guard", "accumulate_fused"),
+      lambda when=when: (
+        v["accumulate_fused_guard"][f"{when}_ms"] / v["accumulate_fused"][f"{when}_ms"]
+      ),
     )
   for name in ("nnx_optimizer", "train_state"):
     put(

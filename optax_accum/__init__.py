@@ -13,6 +13,7 @@ from typing import Any
 from optax_accum import sharding as sharding
 from optax_accum._accumulate import Accumulation, accumulate
 from optax_accum._actions import discard, flush, update_and_apply
+from optax_accum._guard import spike_rule
 from optax_accum._loss_scale import dynamic_loss_scale, static_loss_scale
 from optax_accum._metrics import Metrics, get_loss_scale, metrics
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
@@ -38,6 +39,7 @@ __all__ = [
   "plan_microbatch",
   "scaled_value_and_grad",
   "split_batch",
+  "spike_rule",
   "sqrt_scaled_schedule",
   "static_loss_scale",
   "update_and_apply",

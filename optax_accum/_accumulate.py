@@ -25,6 +25,7 @@ import optax
 from optax_accum import (
   _buffers,
   _checks,
+  _guard,
   _loss_scale,
   _noise_scale,
   _numerics,
@@ -126,6 +127,7 @@ def accumulate(
   skip_nonfinite: bool = True,
   axis_name: str | tuple[str, ...] | None = None,
   noise_scale_decay: float | None = None,
+  skip_if: Any = None,
 ) -> Accumulation:
   """Accumulates weighted microbatch gradients and runs ``inner`` once per window.
 
@@ -165,6 +167,11 @@ def accumulate(
       of the gradient noise scale ``B_simple`` (McCandlish et al. 2018, app.
       A), from the window's own microbatches; read by
       :func:`optax_accum.metrics` in the units of ``weight``. docs/noise_scale.md.
+    skip_if: None, :func:`optax_accum.spike_rule`, or a callable of the window's
+      statistics (a NamedTuple: ``grad_norm``, ``loss``, ``has_loss``,
+      ``weight``, ``num_updates``, 0-d) returning a boolean scalar, True to skip
+      the finite window (``metrics(state).num_spikes`` counts it); or a tuple of
+      them. docs/guards.md.
 
   Returns:
     An :class:`Accumulation` whose state is an :class:`AccumulationState`. The
@@ -196,7 +203,7 @@ def accumulate(
   """
   config = _config(
     inner, every_k, window_weight, window_weight_of, accumulator_dtype, loss_scale, clip_norm,
-    skip_nonfinite, axis_name, noise_scale_decay,
+    skip_nonfinite, axis_name, noise_scale_decay, skip_if,
   )  # fmt: skip
 
   def init_fn(params):
@@ -217,6 +224,7 @@ class Config(NamedTuple):
   skip_nonfinite: bool
   axis_name: str | tuple[str, ...] | None
   noise_decay: float | None
+  guard: tuple[Any, ...]
 
   @property
   def fingerprint(self) -> Fingerprint:
@@ -239,7 +247,8 @@ class Config(NamedTuple):
 
 
 def _config(inner, every_k, window_weight, window_weight_of, accumulator_dtype, loss_scale,
-            clip_norm, skip_nonfinite, axis_name, noise_scale_decay) -> Config:  # fmt: skip
+            clip_norm, skip_nonfinite, axis_name, noise_scale_decay,
+            skip_if) -> Config:  # fmt: skip
   """Validates ``accumulate``'s arguments, each with an error naming it and the fix."""
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise TypeError(
@@ -265,6 +274,7 @@ def _config(inner, every_k, window_weight, window_weight_of, accumulator_dtype, 
     skip_nonfinite=bool(skip_nonfinite),
     axis_name=axis_name,
     noise_decay=_noise_scale.check_decay(noise_scale_decay),
+    guard=_guard.check_skip_if(skip_if),
   )
 
 
@@ -340,6 +350,7 @@ def init(config: Config, params: PyTree) -> AccumulationState:
     loss_scale=on(config.loss_scale is not None, lambda: _loss_scale.init_state(config.loss_scale)),
     token_budget=on(config.budget is not None, ww.init_state),
     noise_scale=on(config.noise_decay is not None, _noise_scale.init_state),
+    guard=on(bool(config.guard), lambda: _guard.init_state(config.guard)),
     inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
   )
   return _vma.per_device_window(state, config.axis_name)

@@ -68,6 +68,7 @@ def discard(opt_state: PyTree) -> PyTree:
     >>> int(optax_accum.metrics(state).mini_step), float(optax_accum.metrics(state).pending_weight)
     (0, 0.0)
   """
+  pitfalls.check_state(opt_state, AccumulationState)
   return map_states(_empty_window, opt_state)
 
 
@@ -115,6 +116,7 @@ def flush(
     Array(9.5, dtype=float32)
   """
   _check_belongs(tx, state, params)
+  pitfalls.check_state(state, AccumulationState)
   s = find_states(state)
   if not s:
     raise ValueError(

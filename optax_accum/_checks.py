@@ -99,7 +99,10 @@ def weight(weight: Any, name: str = "weight") -> jax.Array:
     ValueError: if the weight is not a scalar, or is concrete and negative,
       not finite, an integer not exactly representable in the weight-sum
       dtype (above 2**24 and odd, say, for float32), or a float that
-      overflows it (1e39 for float32). Nothing is ever wrapped.
+      overflows it (1e39 for float32) or rounds to 0 in it (1e-46). Nothing is
+      ever wrapped. (A NumPy int64 passed into a ``jax.jit`` function is
+      converted by JAX at that boundary, before this check: pass it to
+      ``tx.update`` eagerly or as a float.)
     TypeError: if the weight is complex, boolean or not an int, float or array
       (a ``Fraction`` or ``Decimal``: convert it with ``float``).
 
@@ -170,10 +173,12 @@ def _concrete_weight(arr: np.ndarray, name: str) -> np.ndarray:
     )
   with np.errstate(over="ignore"):
     out = np.asarray(value, out_dtype)
-  if not np.isfinite(out):
+  if not np.isfinite(out) or (value > 0 and out == 0):
+    what = "overflows" if out else "rounds to 0 in"
     raise ValueError(
-      f"{name}={value} overflows {out_dtype}, the dtype of the weight sum (max "
-      f"{float(np.finfo(out_dtype).max):.3g}). Rescale the weights (only their ratios "
-      "matter), or enable jax_enable_x64 for float64 sums."
+      f"{name}={value} {what} {out_dtype}, the dtype of the weight sum (max "
+      f"{float(np.finfo(out_dtype).max):.3g}, smallest positive "
+      f"{float(np.finfo(out_dtype).smallest_subnormal):.3g}). Rescale the weights (only their "
+      "ratios matter), or enable jax_enable_x64 for float64 sums."
     )
   return out

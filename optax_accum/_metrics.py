@@ -28,6 +28,8 @@ class Metrics(NamedTuple):
     num_updates: int32, windows applied: the counter to drive anything done
       once per update (EMA, evaluation, checkpoints, logging).
     num_skipped: int32, windows skipped for a NaN or Inf.
+    num_spikes: int32, finite windows skipped by ``accumulate(..., skip_if=...)``
+      (0 without it).
     pending_weight: float, the weight (examples or tokens) in the open window.
     updated: bool, whether the last call applied an update.
     window_loss: float, weighted mean ``value`` of the last closed window with
@@ -85,6 +87,7 @@ class Metrics(NamedTuple):
   num_microbatches: jax.Array
   num_updates: jax.Array
   num_skipped: jax.Array
+  num_spikes: jax.Array
   pending_weight: jax.Array
   updated: jax.Array
   window_loss: jax.Array
@@ -123,16 +126,17 @@ def metrics(opt_state: PyTree) -> Metrics:
     (1, 0, 7.0)
   """
   s = find_state(opt_state)
-  if isinstance(s.noise_scale, optax.EmptyState):
+  if _off(s.noise_scale):
     noise_scale = noise_trace = noise_signal = jnp.zeros_like(s.grad_norm)
   else:
     noise_scale, noise_trace, noise_signal = _noise_scale.read(*s.noise_scale)
-  budget = None if isinstance(s.token_budget, optax.EmptyState) else s.token_budget
+  budget = None if _off(s.token_budget) else s.token_budget
   return Metrics(
     mini_step=s.mini_step,
     num_microbatches=s.num_microbatches,
     num_updates=s.num_updates,
     num_skipped=s.num_skipped,
+    num_spikes=jnp.zeros_like(s.num_skipped) if _off(s.guard) else s.guard.num_spikes,
     pending_weight=s.window.weight_sum,
     updated=s.updated,
     window_loss=s.window_loss,
@@ -174,3 +178,8 @@ def get_loss_scale(opt_state: PyTree) -> jax.Array:
     1.0
   """
   return _loss_scale_of(find_state(opt_state))
+
+
+def _off(sub_state: Any) -> bool:
+  """Whether a feature's sub-state is empty (the feature is off)."""
+  return isinstance(sub_state, optax.EmptyState)

@@ -122,8 +122,10 @@ def microbatched_value_and_grad(
   Args:
     loss_fn: ``loss_fn(params, mb, *args, **kwargs)`` -> the MEAN loss, or
       ``(loss, aux)``; with ``has_state``, ``loss_fn(params, mb, state, ...)`` ->
-      ``(loss, new_state)`` or ``(loss, (aux, new_state))``. ``key=`` is folded
-      with the microbatch index (and the lane under ``jit`` with ``axis_name``).
+      ``(loss, new_state)`` or ``(loss, (aux, new_state))``. Every PRNG key in
+      ``kwargs`` (``key=``, ``rngs={'dropout': key}``; typed keys or raw
+      ``uint32[2]``) is folded with the microbatch index (and the lane under
+      ``jit`` with ``axis_name``).
     num_microbatches: ``K`` >= 1, dividing the batch size.
     weight_fn: ``weight_fn(mb)``, the count its mean is over. Default: its rows.
     has_aux: as in ``jax.value_and_grad``.
@@ -199,9 +201,8 @@ def _value_and_grad(
   if lanes:
     micro = _mesh.split_lanes(batch, cfg.num_microbatches, lanes, mesh, axes, cfg.strided)
   state0, args = _take_state(cfg, args)
-  key = kwargs.pop("key", None)
   scale = _scale_value(cfg.loss_scale)
-  one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, args, kwargs, key)
+  one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, args, kwargs)
   mode = _lanes(one, params, mesh, axes) if lanes else _local(one, name, mesh, axes)
   sums, state, stacked = _scan(cfg, mode, micro, state0)
   return _finish(cfg, mode, params, mode.reduce(sums), state, stacked, scale)
@@ -254,22 +255,28 @@ def _scaled_loss(cfg: _Config, params, mb, scale, extra, kwargs):
   return scaled, (loss, aux, state)
 
 
-def _microbatch_fn(cfg: _Config, params, scale, args, kwargs, key) -> Callable:
+def _microbatch_fn(cfg: _Config, params, scale, args, kwargs) -> Callable:
   """``one(mb, k, state, lane)``: microbatch ``k``'s ``(loss, aux, new_state, grads, weight)``."""
   grad_fn = jax.value_and_grad(functools.partial(_scaled_loss, cfg), has_aux=True)
 
   def one(mb, k, state, lane):
-    kw = dict(kwargs)
-    if key is not None:
-      kw["key"] = jax.random.fold_in(key, k)
-      if lane is not None:
-        kw["key"] = jax.random.fold_in(kw["key"], lane)
+    kw = jax.tree.map(lambda x: _fold_key(x, k, lane), kwargs)
     extra = args if state is None else (state, *args)
     (_, (loss, aux, new_state)), g = grad_fn(params, mb, scale, extra, kw)
     w = jax.tree.leaves(mb)[0].shape[0] if cfg.weight_fn is None else cfg.weight_fn(mb)
     return loss, aux, new_state, g, _checks.weight(w, "weight_fn(microbatch)")
 
   return one
+
+
+def _fold_key(x: Any, k: jax.Array, lane: Any) -> Any:
+  """A PRNG key (typed, or raw ``uint32[2]``) folded with the microbatch index and lane."""
+  typed = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  raw = hasattr(x, "dtype") and x.dtype == jnp.uint32 and np.shape(x) == (2,)
+  if not (typed or raw):
+    return x
+  x = jax.random.fold_in(x, k)
+  return x if lane is None else jax.random.fold_in(x, lane)
 
 
 def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...]) -> _Mode:

@@ -200,9 +200,12 @@ def _narrow(dtype: Any) -> bool:
 
 
 def updates_finite(
-  updates: PyTree, new_inner: PyTree, old_inner: PyTree, like: PyTree
+  updates: PyTree, new_inner: PyTree, old_inner: PyTree, like: PyTree, params: PyTree = None
 ) -> jax.Array | None:
-  """Whether the inner updates (and 16-bit inner state) are finite; None if no 16-bit dtype.
+  """Whether the inner updates, 16-bit inner state and 16-bit new params are finite.
+
+  A 16-bit param is checked as ``optax.apply_updates`` makes it, ``(p + u).astype(p.dtype)``
+  (a finite float32 update can overflow an fp16 param). None if no 16-bit dtype.
 
   A finite float32 mean gives finite float32 updates, so float32 steps skip the pass.
 
@@ -211,6 +214,7 @@ def updates_finite(
     new_inner: its new state, cast back to ``old_inner``'s dtypes.
     old_inner: its state before the window.
     like: trees of arrays or shape-dtype structs whose dtypes matter.
+    params: the params the updates apply to, or None.
 
   Returns:
     A boolean scalar, or None when nothing 16-bit is involved.
@@ -225,10 +229,19 @@ def updates_finite(
   """
   pairs = zip(jax.tree.leaves(new_inner), jax.tree.leaves(old_inner), strict=True)
   narrowed = [new for new, old in pairs if _narrow(old.dtype)]
+  applied = []
+  if params is not None:
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(updates), strict=True)
+    wide = lambda p, u: promote_types(p.dtype, u.dtype)
+    applied = [
+      (p.astype(wide(p, u)) + u.astype(wide(p, u))).astype(p.dtype)
+      for p, u in pairs
+      if _narrow(p.dtype)
+    ]
   dtypes = [x.dtype for x in jax.tree.leaves((updates, like))]
-  if not narrowed and not any(_narrow(d) for d in dtypes):
+  if not narrowed and not applied and not any(_narrow(d) for d in dtypes):
     return None
-  return all_finite((updates, narrowed))
+  return all_finite((updates, narrowed, applied))
 
 
 def fits(

@@ -87,6 +87,8 @@ class AccumulationState(NamedTuple):
       exact ``WeightCount`` totals) with ``window_weight=...``, else empty.
     noise_scale: a ``NoiseScaleState`` (the EMAs of the noise estimates) with
       ``noise_scale_decay=...``, else empty.
+    guard: a ``GuardState`` (``num_spikes``, each spike rule's history) with
+      ``skip_if=...``, else empty.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -115,6 +117,7 @@ class AccumulationState(NamedTuple):
   loss_scale: Any
   token_budget: Any
   noise_scale: Any
+  guard: Any
   inner_state: PyTree
 
   @property

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _buffers, _checks, _loss_scale, _noise_scale, _numerics, _vma
+from optax_accum import _buffers, _checks, _guard, _loss_scale, _noise_scale, _numerics, _vma
 from optax_accum import _state as st
 from optax_accum import _weight_count as wc
 from optax_accum import _window_weight as ww
@@ -72,6 +72,7 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
   flush = _checks.flag(flush, "flush")
   if value is not None:
     value = _checks.scalar(value, "value", "the scalar loss of the microbatch")
+  _guard.check_call(config.guard, value)
   # The sum is added outside the cond: one fused, in-place pass over the donated
   # accumulator, which reads it as zeros if the window was empty (the lazy reset)
   # and which `between` passes through untouched.
@@ -150,11 +151,18 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   has_norm = ~empty & finite  # a NaN/Inf mean has no norm (an fp16 overflow has one)
   # The mean goes to the inner optimizer in dtypes.mean: it must fit there too.
   finite = finite & _numerics.fits(sums.grad_sum, denom, norm, config.clip_norm, dtypes.mean)
-  apply = ~empty & (finite | (not config.skip_nonfinite))
   has_value = sums.value_weight > 0
   window_value = jnp.where(
     has_value, _numerics.guarded_divide(sums.value_sum, sums.value_weight), 0
   )
+  fdt = _numerics.scalar_dtype()
+  stats = _guard.WindowStats(
+    norm.astype(fdt), window_value.astype(fdt), has_value, sums.weight_sum, header.num_updates
+  )
+  spike = jnp.zeros((), jnp.bool_)
+  if config.guard:  # a finite window the guard skips: nothing but num_spikes changes
+    spike = ~empty & finite & _guard.judge(config.guard, header.guard, stats)
+  apply = ~empty & (finite | (not config.skip_nonfinite)) & ~spike
   inner_args = dict(extra)
   if value is not None:
     inner_args["value"] = jnp.where(has_value, window_value, jnp.nan)
@@ -192,16 +200,18 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   )
   if config.loss_scale is not None:
     header = header._replace(
-      loss_scale=_loss_scale.close(config.loss_scale, header.loss_scale, finite, empty)
+      loss_scale=_loss_scale.close(config.loss_scale, header.loss_scale, finite, empty | spike)
     )
   if config.budget is not None:
     header = header._replace(token_budget=ww.close(header.token_budget, sums.weight_parts, empty))
   if config.noise_decay is not None:
     noise = _noise_scale.close(
       header.noise_scale, sums.noise, sums.weight_sum, norm, scale, config.noise_decay,
-      finite & ~empty,
+      finite & ~empty & ~spike,
     )  # fmt: skip
     header = header._replace(noise_scale=noise)
+  if config.guard:
+    header = header._replace(guard=_guard.close(config.guard, header.guard, stats, applied, spike))
   return out, new_sum, inner_state, header
 
 
@@ -219,7 +229,8 @@ def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
   new_inner = optax.tree.cast_like(new_inner, inner_state)  # an fp16 moment stays fp16
   ok = None
   if config.skip_nonfinite:
-    ok = _numerics.updates_finite(updates, new_inner, inner_state, (dtypes.mean, dtypes.out))
+    like = (dtypes.mean, dtypes.out)
+    ok = _numerics.updates_finite(updates, new_inner, inner_state, like, params)
   if ok is None:  # True, with the device variance of the other branch's False
     return updates, new_inner, None
   keep = lambda new, old: jnp.where(ok, new, old)
@@ -274,6 +285,7 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
     ("loss_scale", config.loss_scale is not None, "loss_scale"),
     ("token_budget", config.budget is not None, "window_weight"),
     ("noise_scale", config.noise_decay is not None, "noise_scale_decay"),
+    ("guard", bool(config.guard), "skip_if"),
   )
   problems = []
   for field, on, arg in features:

@@ -3,8 +3,10 @@
 Each check reads what is known at ``init`` or trace time, from optax's public
 state types only, and warns with :class:`PitfallWarning` (free in the compiled
 step): ``accumulate(...).init`` runs :func:`check_inner_state`;
-:func:`optax_accum.update_and_apply` with a ``tx`` around ``accumulate`` and the
-Flax integrations run :func:`check_state`. A clip chained before ``accumulate``
+:func:`optax_accum.update_and_apply` with a ``tx`` around ``accumulate``,
+:func:`optax_accum.flush`, :func:`optax_accum.discard` and the Flax integrations
+run :func:`check_state` (``tx.update`` and ``init`` of ``accumulate`` cannot see
+what wraps them). A clip chained before ``accumulate``
 has an ``EmptyState`` like many transformations, so it is documented (README,
 Pitfalls), not detected. None of these is wrong in every case, so they warn
 rather than raise, once per call site by default. To silence them::
@@ -27,8 +29,9 @@ __all__ = ["PitfallWarning"]
 PyTree = Any
 
 # Optimizer states of a schedule: their count advances on every `update` call.
-# (`inject_hyperparams` is left out: its state looks the same with constant hyperparams.)
 _SCHEDULE_STATES = (optax.ScaleByScheduleState,)
+# `inject_hyperparams` states: a schedule only where `hyperparams_states` is non-empty.
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 # Packages whose frames are skipped when pointing a warning at the user's code.
 _INTERNAL_PACKAGES = ("optax_accum", "jax", "optax", "flax")
 
@@ -114,7 +117,8 @@ def check_state(opt_state: PyTree, state_type: type) -> None:
     microbatch and keeps the rest of its window, so the window silently
     shrinks; ``accumulate`` already skips a non-finite window whole.
   - A schedule outside ``accumulate`` (``optax.scale_by_schedule`` or an
-    ``optax.sgd(schedule)`` in the same chain, before or after it): its count
+    ``optax.sgd(schedule)`` in the same chain, before or after it, or an
+    ``optax.inject_hyperparams`` around it given a schedule): its count
     advances once per microbatch, not once per window.
 
   Args:
@@ -144,12 +148,18 @@ def check_state(opt_state: PyTree, state_type: type) -> None:
       "non-finite window whole (skip_nonfinite=True) and counts it in metrics(state).num_skipped."
     )
   outside = _find(opt_state, (*_SCHEDULE_STATES, acc))  # stops at accumulate's own state
-  if any(isinstance(s, acc) for s in outside) and any(
-    isinstance(s, _SCHEDULE_STATES) for s in outside
+  injected = _find(opt_state, (*_INJECT_STATES, acc))
+  if (
+    any(isinstance(s, acc) for s in outside)
+    and any(isinstance(s, _SCHEDULE_STATES) for s in outside)
+  ) or any(
+    isinstance(s, _INJECT_STATES) and s.hyperparams_states and _find(s.inner_state, (acc,))
+    for s in injected
   ):
     _warn(
-      "a schedule outside accumulate (optax.scale_by_schedule, or an optimizer given a "
-      "schedule) counts microbatches, not updates. Put it inside: "
+      "a schedule outside accumulate (optax.scale_by_schedule, an optimizer given a "
+      "schedule, or optax.inject_hyperparams around it) counts microbatches, not updates. "
+      "Put it inside: "
       "accumulate(optax.chain(..., optax.scale_by_schedule(s)), every_k), or give the inner "
       "optimizer the schedule: accumulate(optax.adamw(schedule), every_k)."
     )

@@ -748,8 +748,8 @@ def test_non_numeric_weight_raises(weight):
 
 
 def test_public_surface_is_small():
-  # 15 names before the redesign, + Accumulation (the type accumulate returns).
-  assert len(optax_accum.__all__) == len(set(optax_accum.__all__)) <= 16
+  # 15 names before the redesign, + Accumulation (the type accumulate returns), + spike_rule.
+  assert len(optax_accum.__all__) == len(set(optax_accum.__all__)) <= 17
   assert all(hasattr(optax_accum, name) for name in optax_accum.__all__)
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     _ = optax_accum.nope

@@ -74,6 +74,7 @@ def test_large_integer_weights_are_exact(weight, expected):
     (np.int64(2**62 + 1), r"not exactly representable"),
     (10**40, r"overflows float32"),
     (1e39, r"weight=1e\+39 overflows float32"),
+    (1e-46, r"weight=1e-46 rounds to 0 in float32"),  # issue 22: was silently 0
     (np.float64(-3e9), r"finite and non-negative"),
     (np.int64(-3_000_000_000), r"finite and non-negative"),
   ],

@@ -48,6 +48,7 @@ PRINTS = {
   ],
   "mixed_precision.md": [r"3 3 8192\.0"],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
+  "guards.md": ["29 1 0", "1"],
   "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],
 }
 

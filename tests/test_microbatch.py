@@ -337,3 +337,18 @@ def test_loss_scale_policy_is_refused_with_the_value_to_pass_instead():
   )
   with pytest.raises(TypeError, match=r"get_loss_scale\(opt_state\)"):
     f(1.0, jnp.ones(4))
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw_uint32"])
+def test_keys_anywhere_in_the_keyword_arguments_are_folded(raw):
+  """rngs={'dropout': key} (Flax's spelling) gets microbatch k's fold_in, as key= does."""
+  params, batch = models.mlp_params(), models.linear_regression_data(8)
+  key = jax.random.PRNGKey(5) if raw else jax.random.key(5)
+
+  def loss_fn(p, b, *, rngs, scale):
+    return models.mlp_loss(p, b) * scale, jax.random.uniform(rngs["dropout"])
+
+  f = optax_accum.microbatched_value_and_grad(loss_fn, K, has_aux=True, aux_mode="stack")
+  (_, draws), _ = jax.jit(f)(params, batch, rngs={"dropout": key}, scale=2.0)
+  expected = jnp.stack([jax.random.uniform(jax.random.fold_in(key, k)) for k in range(K)])
+  chex.assert_trees_all_equal(draws, expected)

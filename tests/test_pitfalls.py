@@ -74,6 +74,33 @@ def test_schedule_inside_accumulate_is_silent_and_counts_updates():
   _silent(_run, adamw)
 
 
+def _injected(learning_rate):
+  return optax.inject_hyperparams(
+    lambda learning_rate: optax_accum.accumulate(optax.sgd(learning_rate), every_k=4)
+  )(learning_rate=learning_rate)
+
+
+def test_inject_hyperparams_schedule_around_accumulate_warns_and_counts_microbatches():
+  """Issue 22: the schedule advanced per microbatch (0.3, 0.7, 1.0 at the first updates)."""
+  schedule = optax.linear_schedule(0.0, 1.0, transition_steps=10)
+  tx = _injected(schedule)
+  with pytest.warns(PitfallWarning, match="inject_hyperparams around it"):
+    _, state = _run(tx, GRADS * 2)
+  assert int(state.count) == 4  # counted microbatches: 2 updates would be count 2
+  # The learning rate of the next (third) microbatch is schedule(4), not schedule(1).
+  np.testing.assert_allclose(float(state.hyperparams["learning_rate"]), schedule(3))
+  with pytest.warns(PitfallWarning, match="inject_hyperparams around it"):
+    optax_accum.flush(tx, state, PARAMS)
+  with pytest.warns(PitfallWarning, match="inject_hyperparams around it"):
+    optax_accum.discard(state)
+
+
+def test_inject_hyperparams_constant_around_or_inside_accumulate_is_silent():
+  _silent(_run, _injected(0.5))
+  inner = optax.inject_hyperparams(optax.sgd)(learning_rate=SCHEDULE)
+  _silent(_run, optax_accum.accumulate(inner, 2), GRADS * 2)
+
+
 def test_apply_if_finite_around_accumulate_warns_and_shrinks_the_window():
   tx = optax.apply_if_finite(optax_accum.accumulate(optax.sgd(1.0), 2), max_consecutive_errors=5)
   grads = [GRADS[0], {"w": jnp.array([jnp.nan, 0.0])}, GRADS[1]]

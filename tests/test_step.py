@@ -807,3 +807,29 @@ def test_non_finite_inner_updates_skip_the_window():
   np.testing.assert_array_equal(np.asarray(updates, np.float32), [-1e4, -1e4])
   assert (int(state.num_updates), int(state.num_skipped)) == (1, 1)
   assert int(state.inner_state[0].count) == 1
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "update_and_apply"])
+def test_fp16_params_a_finite_float32_update_that_overflows_them_is_skipped(fused):
+  """Issue 22: fp16 params, float32 gradients, a window mean of 1e5 (fp16 max 65504).
+
+  ``optax.apply_updates`` gives ``(p + u).astype(float16) = -inf``; the window is
+  counted as non-finite instead: params unchanged, ``num_skipped`` 1, the scale backed off.
+  """
+  policy = optax_accum.dynamic_loss_scale(init_scale=4.0)
+  tx = optax_accum.accumulate(optax.sgd(1.0), 1, loss_scale=policy)
+  params = {"w": jnp.zeros(2, jnp.float16)}
+  state = tx.init(params)
+  grads = {"w": jnp.full(2, 4.0 * 1e5, jnp.float32)}  # scaled by 4
+  if fused:
+    new, state = optax_accum.update_and_apply(tx, grads, state, params)
+  else:
+    updates, state = tx.update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(new["w"], params["w"])
+  assert int(optax_accum.metrics(state).num_skipped) == 1
+  assert float(optax_accum.get_loss_scale(state)) == 4.0 * 0.5  # the default backoff_factor
+  # A representable one (1e4) is applied: params -1e4 in fp16.
+  small = {"w": jnp.full(2, 2.0 * 1e4, jnp.float32)}  # scaled by the new scale, 2
+  updates, state = tx.update(small, state, params)
+  np.testing.assert_array_equal(optax.apply_updates(params, updates)["w"], np.float16(-1e4))

@@ -113,19 +113,17 @@ def microbatched_value_and_grad(
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
-  ``f(params, batch, *args, **kwargs)`` runs one ``lax.scan`` over the ``K``
-  microbatches of ``batch`` (:func:`split_batch`): the value and gradient of
-  ``sum_k w_k loss_k / sum_k w_k``, for a mean loss and ``w_k`` its count those of
-  the whole batch. A weight-0 microbatch adds nothing (even a NaN), a total weight
-  of 0 gives zeros. More: docs/in_step.md.
+  ``f(params, batch, *args, **kwargs)`` runs one ``lax.scan`` over the ``K`` microbatches
+  of ``batch`` (:func:`split_batch`): the value and gradient of ``sum_k w_k loss_k / sum_k
+  w_k``, for a mean loss and ``w_k`` its count those of the whole batch. A weight-0
+  microbatch adds nothing (even a NaN); a total weight of 0 gives zeros. docs/in_step.md.
 
   Args:
     loss_fn: ``loss_fn(params, mb, *args, **kwargs)`` -> the MEAN loss, or
       ``(loss, aux)``; with ``has_state``, ``loss_fn(params, mb, state, ...)`` ->
       ``(loss, new_state)`` or ``(loss, (aux, new_state))``. Every PRNG key in
       ``kwargs`` (``key=``, ``rngs={'dropout': key}``; typed keys or raw
-      ``uint32[2]``) is folded with the microbatch index (and the lane under
-      ``jit`` with ``axis_name``).
+      ``uint32[2]``) is folded with the microbatch index (and the lane, on a mesh).
     num_microbatches: ``K`` >= 1, dividing the batch size.
     weight_fn: ``weight_fn(mb)``, the count its mean is over. Default: its rows.
     has_aux: as in ``jax.value_and_grad``.
@@ -133,12 +131,11 @@ def microbatched_value_and_grad(
       the microbatches in order; ``f`` returns the last one.
     aux_mode: ``'mean'`` (aux by the loss's weighted mean) or ``'stack'`` (``[K, ...]``).
     strided: microbatch ``k`` takes rows ``k, k+K, ...``; ``False``: contiguous.
-    axis_name: the mesh axis (or axes) the batch is sharded over: the sums stay
-      per device and are reduced once after the scan, inside ``jax.shard_map``
-      or under ``jax.jit`` with a mesh (then the batch must divide by ``K * D``).
-    loss_scale: ``None`` or the scale in force, ``get_loss_scale(opt_state)``: the
-      loss comes back unscaled, the gradient is that of ``loss * scale`` (as from
-      ``scaled_value_and_grad``), for ``accumulate(..., loss_scale=policy)`` to divide.
+    axis_name: the mesh axis (or axes) the batch is sharded over: the sums are reduced
+      once after the scan, in ``jax.shard_map`` or under ``jax.jit`` with a mesh (then the
+      batch must divide by ``K * D``).
+    loss_scale: ``None`` or ``get_loss_scale(opt_state)``: the loss comes back unscaled,
+      the gradient is that of ``loss * scale``, for ``accumulate(loss_scale=...)`` to divide.
     accumulator_dtype: the carry's dtype; default ``promote_types(dtype, float32)``.
       Gradients come back in the params' dtypes.
     noise_scale: also return the batch's ``NoiseEstimate`` (docs/noise_scale.md).
@@ -148,9 +145,9 @@ def microbatched_value_and_grad(
     has_state)``'s structure; with ``noise_scale``, ``((value, estimate), grads)``.
 
   Raises:
-    TypeError, ValueError: for a bad argument, or when ``f`` is traced for an
-      indivisible batch, a non-scalar loss or weight, a loss-scale policy, a
-      scale not finite and > 0, or an ``axis_name`` the mesh lacks.
+    TypeError, ValueError: for a bad argument, or when ``f`` is traced for an indivisible
+      batch, a non-scalar loss or weight, a policy or a scale not finite and > 0 as
+      ``loss_scale``, or an ``axis_name`` the mesh lacks.
 
   Examples:
     >>> import optax_accum
@@ -164,14 +161,10 @@ def microbatched_value_and_grad(
     >>> float(loss), float(g)  # = jax.value_and_grad(loss_fn)(0.0, batch)
     (2.5, -2.0)
   """
-  k = _checks.positive_int(num_microbatches, "num_microbatches", "slices of the batch")
-  if aux_mode not in _AUX_MODES:
-    raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
-  if not isinstance(noise_scale, (bool, np.bool_)):
-    raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
+  _check_modes(aux_mode, noise_scale)
   cfg = _Config(
     loss_fn=loss_fn,
-    num_microbatches=k,
+    num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches", _SLICES),
     weight_fn=weight_fn,
     has_aux=has_aux,
     has_state=has_state,
@@ -183,6 +176,16 @@ def microbatched_value_and_grad(
     noise_scale=noise_scale,
   )
   return lambda params, batch, *args, **kwargs: _value_and_grad(cfg, params, batch, args, kwargs)
+
+
+_SLICES = "slices of the batch"
+
+
+def _check_modes(aux_mode: str, noise_scale: Any) -> None:
+  if aux_mode not in _AUX_MODES:
+    raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
+  if not isinstance(noise_scale, (bool, np.bool_)):
+    raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
 
 
 def _value_and_grad(

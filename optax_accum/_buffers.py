@@ -32,14 +32,9 @@ PyTree = Any
 
 
 def zeros_like_placed(x: jax.Array, dtype: Any) -> jax.Array:
-  """Zeros with ``x``'s shape and sharding in ``dtype``, also when traced under ``jit``.
+  """Exact zeros with ``x``'s shape and sharding in ``dtype``, also under ``jit``.
 
-  Args:
-    x: an array (traced or not).
-    dtype: the dtype of the zeros.
-
-  Returns:
-    Exact zeros; a NaN in ``x`` cannot leak (selected, not multiplied).
+  Selected, not multiplied: a NaN in ``x`` cannot leak.
   """
   return jnp.where(jnp.zeros(jnp.shape(x), jnp.bool_), x.astype(dtype), jnp.zeros((), dtype))
 
@@ -50,14 +45,8 @@ def distinct_zeros(like: PyTree, flag: jax.Array) -> PyTree:
   Each leaf is ``broadcast(min(b + i + 1, i + 1) - (i + 1))`` with
   ``b = flag.astype(int32)`` in ``{0, 1}``: exactly zero for either value of
   ``flag``, different per leaf ``i``, and dependent on a traced value, so XLA
-  neither merges the leaves nor computes them before ``flag`` exists.
-
-  Args:
-    like: a tree of arrays (or shape-dtype structs) to match.
-    flag: a boolean scalar array.
-
-  Returns:
-    A tree like ``like`` of exact zeros in each leaf's dtype and sharding.
+  neither merges the leaves nor computes them before ``flag`` exists. Each leaf keeps its
+  dtype and sharding.
   """
   b = jnp.asarray(flag).astype(jnp.int32)
   leaves, treedef = jax.tree.flatten(like)
@@ -81,14 +70,8 @@ def _full_like(x: Any, fill: jax.Array) -> jax.Array:
 def read_token(tree: PyTree) -> jax.Array:
   """A boolean scalar that depends on ``tree``'s values, a flag for :func:`distinct_zeros`.
 
-  Reduces the smallest non-empty leaf (e.g. Adam's step count), so it costs one
-  read of that leaf and works on any sharding.
-
-  Args:
-    tree: a tree of arrays (what the boundary computed last).
-
-  Returns:
-    A bool 0-d array.
+  Reduces the smallest non-empty leaf (e.g. Adam's step count): one read of that leaf, on
+  any sharding. A bool 0-d array.
   """
   leaves = sorted((x for x in jax.tree.leaves(tree) if jnp.size(x)), key=jnp.size)
   if not leaves:
@@ -99,18 +82,10 @@ def read_token(tree: PyTree) -> jax.Array:
 def stash_fits(updates: PyTree, acc: PyTree) -> PyTree:
   """Per leaf, whether an update of that dtype is held exactly in the accumulator's dtype.
 
-  True when the shapes match and every value of the update's dtype is a value
-  of the accumulator's (bf16, fp16 or float32 updates in a float32
-  accumulator; decided from ``finfo``, so ``jax_numpy_dtype_promotion=strict``
-  does not matter); such leaves travel in the accumulator's
-  buffer (:func:`stash`), the others in a buffer of their own.
-
-  Args:
-    updates: a tree of arrays or shape-dtype structs (the updates).
-    acc: the accumulator tree, same structure.
-
-  Returns:
-    A tree of Python bools like ``updates``.
+  True when the shapes match and every value of the update's dtype is one of the
+  accumulator's (bf16, fp16 or float32 in float32; from ``finfo``, so strict dtype
+  promotion does not matter). Such leaves travel in the accumulator's buffer
+  (:func:`stash`), the others in their own. A tree of Python bools like ``updates``.
   """
 
   def holds(u, a):

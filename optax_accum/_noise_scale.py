@@ -100,19 +100,9 @@ def add(
 ) -> tuple[jax.Array, jax.Array]:
   """The window's noise sums with one microbatch added: ``n_k |g_k|^2`` and one sample.
 
-  ``|g_k|^2`` is summed over the gradient leaves cast to the accumulator's
-  dtypes (``acc``), as :func:`_numerics.weighted_add` casts them, so that a
-  compiler can fuse both into one read of the gradient. A zero-weight
-  microbatch (a flush, all padding) is not a sample and adds nothing, even a NaN.
-
-  Args:
-    sums: ``(sq_sum, samples)``: float scalars.
-    acc: the accumulator (its dtypes only).
-    grads: the microbatch's mean gradient (of the scaled loss, with a loss scale).
-    weight: the microbatch's weight ``n_k``, a scalar.
-
-  Returns:
-    ``(sq_sum + n_k |g_k|^2, samples + 1)``, or ``sums`` unchanged for weight 0.
+  ``|g_k|^2`` is summed over the (scaled) gradient cast to ``acc``'s dtypes, as
+  :func:`_numerics.weighted_add` casts it, so both fuse into one read of the gradient. A
+  weight-0 microbatch (a flush, all padding) is not a sample and adds nothing, even a NaN.
 
   Examples:
     >>> s = add(zeros(), {'w': jnp.zeros(2)}, {'w': jnp.array([3., 4.])}, jnp.float32(2))
@@ -136,17 +126,9 @@ def estimate(
 ) -> NoiseEstimate:
   """``S_est`` and ``G2_est`` of a closed window (module docstring; McCandlish et al. 2018).
 
-  Args:
-    sq_sum: ``sum_k n_k |g_k|^2`` of the (scaled) microbatch gradients.
-    samples: ``K`` (a float or int scalar).
-    weight_sum: ``N = sum_k n_k``.
-    mean_norm: ``|G_B|``, the global norm of the window's unscaled mean gradient.
-    loss_scale: the window's loss scale (``sq_sum`` is divided by its square);
-      None for 1.
-
-  Returns:
-    A :class:`NoiseEstimate`; zeros and ``valid=False`` for ``K < 2``, ``N <= 0``
-    or a non-finite result.
+  ``sq_sum = sum_k n_k |g_k|^2`` (divided by ``loss_scale**2``), ``samples = K``,
+  ``weight_sum = N``, ``mean_norm = |G_B|`` (unscaled). Zeros and ``valid=False`` for
+  ``K < 2``, ``N <= 0`` or a non-finite result.
 
   Examples:
     >>> # n = (1, 3), g = (1, 3): N = 4, G_B = 2.5, sum n |g|^2 = 28

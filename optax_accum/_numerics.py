@@ -27,20 +27,10 @@ def promote_types(a: Any, b: Any) -> jnp.dtype:
 
 
 def accumulator_dtype(grad_dtype: Any, override: Any = None) -> jnp.dtype:
-  """The accumulator dtype for one gradient leaf.
+  """The accumulator dtype of a gradient leaf: ``override``, or ``promote_types(dtype, float32)``.
 
-  Args:
-    grad_dtype: dtype of the incoming gradient leaf.
-    override: ``None`` for the default rule, else the dtype to use.
-
-  Returns:
-    ``promote_types(grad_dtype, float32)`` by default: float32 for bf16, fp16
-    and float32 gradients, float64 for float64, complex kept complex. With an
-    override, that dtype.
-
-  Raises:
-    TypeError: if the gradient is complex and the override is real (the
-      imaginary part would be dropped), or either dtype is not inexact.
+  float32 for bf16/fp16/float32, float64 for float64, complex kept complex. TypeError for a
+  non-inexact dtype or a real override of a complex gradient (it would drop the imaginary part).
   """
   grad_dtype = jnp.dtype(grad_dtype)
   if not jnp.issubdtype(grad_dtype, jnp.inexact):
@@ -148,15 +138,8 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
 def mean_dtypes(grads: PyTree, params: PyTree | None) -> PyTree:
   """Per leaf, the dtype the inner optimizer gets the window mean in: the wider of grad and param.
 
-  Never narrower than the gradients (Adam's ``eps`` underflows in fp16), and
-  float32 master params keep the float32 mean of bf16 gradients.
-
-  Args:
-    grads: the gradients (arrays or anything with ``dtype``).
-    params: the params, or None (the gradients' dtypes).
-
-  Returns:
-    A tree like ``grads`` of ``jax.ShapeDtypeStruct``.
+  Never narrower than the gradients (Adam's ``eps`` underflows in fp16), and float32 master
+  params keep the float32 mean of bf16 gradients. ``params=None``: the gradients' dtypes.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -208,16 +191,7 @@ def updates_finite(
   (a finite float32 update can overflow an fp16 param). None if no 16-bit dtype.
 
   A finite float32 mean gives finite float32 updates, so float32 steps skip the pass.
-
-  Args:
-    updates: the inner optimizer's updates, in their final dtypes.
-    new_inner: its new state, cast back to ``old_inner``'s dtypes.
-    old_inner: its state before the window.
-    like: trees of arrays or shape-dtype structs whose dtypes matter.
-    params: the params the updates apply to, or None.
-
-  Returns:
-    A boolean scalar, or None when nothing 16-bit is involved.
+  ``like``: the trees whose dtypes decide whether anything is 16-bit.
 
   Examples:
     >>> import jax.numpy as jnp

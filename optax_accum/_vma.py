@@ -56,18 +56,9 @@ def per_device_window(
 ) -> AccumulationState:
   """Inside ``shard_map`` over ``axis_name``: the window's sums typed device-varying.
 
-  They are per device by nature (each device adds its own microbatches), so a
-  state made by ``tx.init`` inside ``shard_map`` has from the start the type
-  ``update`` returns and can be the carry of a ``lax.scan`` / ``fori_loop``.
-  Outside ``shard_map`` over these axes the state is returned as it is.
-
-  Args:
-    state: a fresh :class:`AccumulationState`.
-    axis_name: ``accumulate``'s ``axis_name`` (None: nothing to do).
-
-  Returns:
-    ``state`` with ``state.window`` (every sum of the open window) varying over
-    ``axis_name``; the same values.
+  Each device adds its own microbatches, so a state made by ``tx.init`` inside ``shard_map``
+  has from the start the type ``update`` returns (a valid ``lax.scan`` carry). Outside
+  ``shard_map`` over these axes (or ``axis_name=None``) ``state`` is returned as it is.
   """
   if axis_name is None:
     return state
@@ -84,17 +75,9 @@ def agree(branches: tuple, operands: PyTree, inputs: PyTree) -> tuple:
   A branch's outputs vary when they depend on per-device data (the window's
   sums, a varying weight) and do not when they come from the all-reduce or the
   replicated state. Each output leaf of each branch is ``pcast`` to varying over
-  the union of the two branches' axes for that leaf. Outside ``shard_map``
-  (nothing in ``inputs`` varies) the branches are returned as they are, without
-  tracing them again.
-
-  Args:
-    branches: the cond's branch functions, each of ``operands``.
-    operands: the cond's operands.
-    inputs: everything else the branches close over that may vary.
-
-  Returns:
-    The branches, wrapped where needed.
+  the union of the two branches' axes for that leaf. ``inputs``: what else the branches
+  close over that may vary; when nothing varies (outside ``shard_map``) the branches are
+  returned as they are, without tracing them again.
   """
   if not any(varying(x) for x in jax.tree.leaves((inputs, operands))):
     return branches

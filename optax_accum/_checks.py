@@ -84,27 +84,14 @@ def axis_names(axis_name: Any) -> tuple[str, ...] | None:
 
 
 def weight(weight: Any, name: str = "weight") -> jax.Array:
-  """Validates a microbatch weight and returns it as a scalar array.
-
-  Args:
-    weight: a non-negative scalar (Python number, NumPy or JAX array, traced or
-      not): the number of examples or unmasked tokens the microbatch's mean
-      loss averages over.
-    name: the argument's name for error messages.
-
-  Returns:
-    A 0-d array of ``_numerics.scalar_dtype()``.
+  """A microbatch weight (examples or unmasked tokens, traced or not) as a 0-d scalar array.
 
   Raises:
-    ValueError: if the weight is not a scalar, or is concrete and negative,
-      not finite, an integer not exactly representable in the weight-sum
-      dtype (above 2**24 and odd, say, for float32), or a float that
-      overflows it (1e39 for float32) or rounds to 0 in it (1e-46). Nothing is
-      ever wrapped. (A NumPy int64 passed into a ``jax.jit`` function is
-      converted by JAX at that boundary, before this check: pass it to
-      ``tx.update`` eagerly or as a float.)
-    TypeError: if the weight is complex, boolean or not an int, float or array
-      (a ``Fraction`` or ``Decimal``: convert it with ``float``).
+    ValueError: not a scalar; or concrete and negative, not finite, an integer the weight-sum
+      dtype does not hold exactly (above 2**24 and odd for float32), or a float that
+      overflows it (1e39) or rounds to 0 in it (1e-46). Nothing is wrapped. (JAX converts a
+      NumPy int64 at the user's own ``jax.jit`` boundary, before this check.)
+    TypeError: complex, boolean, or not an int, float or array (``Fraction``: use ``float``).
 
   Examples:
     >>> import numpy as np

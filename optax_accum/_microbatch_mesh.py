@@ -28,21 +28,17 @@ PyTree = Any
 def split_batch(batch: PyTree, num_microbatches: int, *, strided: bool = True) -> PyTree:
   """Cuts every leaf of ``batch`` on axis 0 into ``num_microbatches`` stacked slices.
 
-  Strided (default): microbatch ``k`` holds rows ``k, k+K, k+2K, ...``. When
-  the batch is sharded on axis 0 over ``D`` devices and each device's local
-  batch ``B/D`` is divisible by ``K``, every microbatch takes ``B/(D*K)`` rows
-  from every device, so each device keeps its own rows and no data moves.
-  Contiguous (``strided=False``): microbatch ``k`` holds rows
-  ``k*B/K ... (k+1)*B/K - 1``, which lie on a subset of the devices.
+  Strided (default): microbatch ``k`` holds rows ``k, k+K, k+2K, ...``: on a batch sharded
+  over ``D`` devices with ``B/D`` divisible by ``K``, each device keeps its own rows. With
+  ``strided=False``, rows ``k*B/K ... (k+1)*B/K - 1`` (on a subset of the devices).
 
   Args:
     batch: a pytree whose leaves all have the same leading size ``B``.
     num_microbatches: ``K``, an int >= 1 dividing ``B``.
-    strided: the row assignment described above.
+    strided: the row assignment above.
 
   Returns:
-    The same pytree with leaves of shape ``[K, B // K, ...]``; microbatch ``k``
-    is ``jax.tree.map(lambda x: x[k], result)``.
+    The pytree with leaves ``[K, B // K, ...]``; microbatch ``k`` is ``tree.map(lambda x: x[k])``.
 
   Raises:
     ValueError: if ``K < 1``, the batch has no leaves or a 0-d leaf, the

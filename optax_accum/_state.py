@@ -1,17 +1,10 @@
 """The accumulation state: a core window state and one sub-state per optional feature.
 
 :class:`AccumulationState` is what :func:`optax_accum.accumulate` keeps between
-calls. Its open window is one sub-tree (:class:`Window`: reset at every
-boundary, one device's share under ``axis_name``); each optional feature (a
-loss scale, a token budget, the noise scale) owns a sub-state that is
-``optax.EmptyState()`` when the feature is off, so a plain configuration's
-state reads like ``optax.MultiSteps``' and a checkpoint shows what is on.
-
-The state is found inside nested optimizer states by its class, never by a
-field name (``count``, ``inner_state`` and ``mini_step`` occur in other optax
-states too), through ``optax.chain``, ``optax.masked``, ``optax.inject_hyperparams``
-and Flax's ``nnx.Optimizer.opt_state`` (whose leaves are ``OptArray`` variables,
-unwrapped here without importing flax). docs/design.md maps the modules.
+calls: the open :class:`Window` (reset at every boundary) and one sub-state per optional
+feature, ``optax.EmptyState()`` when it is off. It is found inside nested optimizer states
+(``optax.chain``, ``optax.masked``, ``inject_hyperparams``, ``nnx.Optimizer.opt_state``)
+by its class, never by a field name (``count`` or ``mini_step`` occur in other states).
 """
 
 from __future__ import annotations
@@ -31,13 +24,10 @@ class Window(NamedTuple):
   Under ``accumulate(..., axis_name=...)`` each device holds its own share.
 
   Attributes:
-    grad_sum: the accumulator, a tree like the params in the accumulator dtype
-      (float32 by default): ``sum_i w_i * g_i`` of the window's microbatches
-      (gradients of the scaled loss under a loss scale). It holds that sum
-      while ``mini_step > 0``; while the window is empty its contents are
-      scratch and are read as zeros (after a boundary of ``tx.update`` the
-      buffer carried that boundary's updates out: no zero buffer is written
-      per microstep). Read it with :attr:`AccumulationState.window_sum`.
+    grad_sum: the accumulator, a tree like the params in the accumulator dtype (float32 by
+      default): ``sum_i w_i * g_i`` (of the scaled loss under a loss scale) while
+      ``mini_step > 0``; scratch read as zeros while the window is empty (no zero buffer
+      is written per microstep). Read it with :attr:`AccumulationState.window_sum`.
     weight_sum: float32 (float64 under x64), ``sum_i w_i``.
     value_sum: ``sum_i w_i * value_i`` of the ``value`` extra args passed.
     value_weight: the weight sum of the microbatches that passed ``value``.

@@ -59,13 +59,8 @@ def _concrete(tree: PyTree) -> bool:
 def step(config, output, grads, state, params, *, weight=1, flush=False, value=None, **extra):
   """One microbatch: add it to the window; at a boundary, close the window.
 
-  Args:
-    config: ``accumulate``'s validated configuration (``_accumulate.Config``).
-    output: a ``_buffers.Output``: return the updates or the new params.
-    grads, state, params, weight, flush, value, **extra: as ``tx.update``.
-
-  Returns:
-    ``(updates or new params, new state)``.
+  ``output`` (``_buffers.Output``) says whether to return the updates or the new params;
+  the rest is as ``tx.update``.
   """
   check_inputs(config, grads, state, params)
   w = _checks.weight(weight)

@@ -1,10 +1,7 @@
 """Exact weight totals: :class:`WeightCount` and the open window's weight in exact parts.
 
-A float32 counter stops counting single tokens at 2**24 and an int32 one wraps
-at 2**31; a training run consumes 1e12 tokens and more. :class:`WeightCount`
-carries a total exactly without ``jax_enable_x64``; the open window's weight is
-kept in 12-bit parts (:func:`add_parts`) that ride in the boundary's one
-all-reduce and are added to a count there (:func:`count_parts`). Used by the
+The open window's weight is kept in 12-bit parts (:func:`add_parts`) that ride in the
+boundary's one all-reduce and are added to a count there (:func:`count_parts`). Used by the
 token budget (``accumulate(..., window_weight=...)``, docs/window_weight.md).
 """
 
@@ -30,21 +27,13 @@ class WeightCount(NamedTuple):
   A float32 counter stops counting single tokens at 2**24 (16.8M) and an int32
   one wraps at 2**31; a training run consumes 1e12 tokens and more. The whole
   part is carried in two uint32 words (exact up to 2**64 - 1, where it
-  saturates), the fractional part in a float in [0, 1). It is a pytree (a
-  NamedTuple of three 0-d arrays): it works under ``jit``, in ``tree.map``
-  and in checkpoints. Outside ``jit``, ``float(count)`` and ``int(count)`` read
-  it in Python's exact integers first: ``float`` is exact for integer totals up
-  to 2**53 (9.0e15) and within one float64 rounding beyond; ``int`` is the
-  whole part, exact up to 2**64 - 1. Under ``jit``, :meth:`approx` gives a
-  rounded float array.
+  saturates), the fractional part in a float in [0, 1); a pytree of three 0-d arrays.
+  Outside ``jit``, ``int(count)`` is the whole part exactly and ``float(count)`` is exact up
+  to 2**53; under ``jit``, :meth:`approx` gives a rounded float array.
 
-  What is exact: every whole weight (any integer a float32 holds), in windows
-  of any size: the open window is counted in 12-bit parts
-  (:func:`add_parts`, the state's ``window.weight_parts``), all-reduced exactly
-  under ``axis_name`` for up to 4096 devices, and added here at its boundary.
-  Fractional parts are added in float32 (float64 under x64) and carried into
-  the whole part, so a fractional total is within float32 rounding of its
-  fraction (about 2**-24 per microbatch), never of its magnitude.
+  Exact for every whole weight, in windows of any size (all-reduced exactly under
+  ``axis_name`` for up to 4096 devices); fractional parts are carried in float32 (float64
+  under x64): within about 2**-24 per microbatch of the fraction, never of the magnitude.
 
   Attributes:
     high: uint32, the whole part's multiples of 2**32.
@@ -97,14 +86,7 @@ def zeros() -> WeightCount:
 def add(count: WeightCount, weight: jax.Array) -> WeightCount:
   """``count + weight``, exactly for a whole ``weight``; saturates at 2**64 - 1.
 
-  Args:
-    count: the running total.
-    weight: a float scalar (cast to ``count.frac``'s dtype). A negative, NaN or
-      infinite one adds nothing (only a traced negative microbatch weight can
-      make a window's sum negative).
-
-  Returns:
-    The new :class:`WeightCount`.
+  A negative, NaN or infinite ``weight`` adds nothing (a traced negative microbatch weight).
   """
   dt = count.frac.dtype
   w = _clean(weight, dt)
@@ -149,14 +131,10 @@ def _clean(w: jax.Array, dt: Any) -> jax.Array:
 
 
 def add_parts(parts: jax.Array, weight: jax.Array) -> jax.Array:
-  """``parts + weight`` exactly (a whole ``weight``), each part carried back below 2**12.
+  """``parts + weight`` exactly (a whole ``weight``; a negative, NaN or Inf adds nothing).
 
-  Args:
-    parts: ``[frac, p0, ..., p5]`` (:func:`zero_parts`), this device's open window.
-    weight: this device's microbatch weight (a negative, NaN or infinite one adds nothing).
-
-  Returns:
-    The new parts: ``frac`` in [0, 1), ``p0..p4`` in [0, 2**12), the top part as it grows.
+  ``parts = [frac, p0, ..., p5]`` (:func:`zero_parts`): ``frac`` in [0, 1), ``p0..p4`` in
+  [0, 2**12), the top part as it grows.
   """
   dt = parts.dtype
   w = _clean(weight, dt)

@@ -1,14 +1,9 @@
 """``accumulate``: weighted gradient accumulation as an Optax transformation.
 
-This module holds the factory: the validated configuration (:class:`Config`,
-kept in the closure, never in the state), ``init`` (the nested
-:class:`optax_accum.AccumulationState`) and :class:`Accumulation`, the
-transformation type. A microstep and a boundary read top to bottom in
-``_step``. Besides optax's ``update`` (which returns the updates) an
-:class:`Accumulation` has one explicit second entry point,
-``update_and_apply`` (which returns the new params: the fused step); the free
-function :func:`optax_accum.update_and_apply` takes it when its ``tx`` is an
-:class:`Accumulation`. docs/design.md maps the modules.
+The factory: the validated :class:`Config` (kept in the closure, never in the state),
+``init`` and :class:`Accumulation`, whose second entry point ``update_and_apply`` (the
+fused step) :func:`optax_accum.update_and_apply` takes. A microstep and a boundary read
+top to bottom in ``_step``; docs/design.md maps the modules.
 """
 
 from __future__ import annotations
@@ -43,10 +38,8 @@ PyTree = Any
 class Accumulation(optax.GradientTransformationExtraArgs):
   """The transformation :func:`accumulate` returns: optax's ``(init, update)``, and the fused step.
 
-  It is an ``optax.GradientTransformationExtraArgs`` (``optax.chain``, ``masked``,
-  ``inject_hyperparams`` and Flax take it as any other). The fused step,
-  ``update_and_apply(grads, state, params, **extra_args) -> (new_params,
-  new_state)``, is what :func:`optax_accum.update_and_apply` runs for it.
+  An ``optax.GradientTransformationExtraArgs`` (``optax.chain``, ``masked`` and Flax take it
+  as any other); :func:`optax_accum.update_and_apply` runs its fused ``update_and_apply``.
 
   ``update(grads, state, params=None, *, weight=1, flush=False, value=None, **extra_args)``:
 
@@ -76,7 +69,7 @@ class Accumulation(optax.GradientTransformationExtraArgs):
   Attributes:
     init: ``init(params) -> AccumulationState``.
     update: ``update(grads, state, params=None, **extra_args) -> (updates, state)``.
-    update_and_apply: the fused step (a property, beside ``update``).
+    update_and_apply: ``(grads, state, params, **extra_args) -> (new_params, state)``.
   """
 
   @property

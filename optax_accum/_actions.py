@@ -45,19 +45,15 @@ def _empty_window(s: AccumulationState) -> AccumulationState:
 def discard(opt_state: PyTree) -> PyTree:
   """Drops the open (partial) window: its gradients, weights and losses.
 
-  Use it at the end of an epoch whose last window should not be applied (a
-  changed data order, a bad shard). Nothing else changes: the inner state,
-  counters and loss scale stay as they are; ``num_microbatches`` keeps counting
-  what was consumed.
+  For an epoch whose last window should not be applied (a changed data order, a bad shard).
+  The inner state, counters and loss scale stay; ``num_microbatches`` keeps counting.
 
   Args:
-    opt_state: any optimizer state containing :func:`optax_accum.accumulate`
-      states (every one found is reset): a tree of arrays, or Flax's
-      ``nnx.Optimizer.opt_state`` (assign the result back to it).
+    opt_state: any optimizer state containing ``accumulate`` states (every one is reset), or
+      Flax's ``nnx.Optimizer.opt_state`` (assign the result back to it).
 
   Returns:
-    A state of the same structure with the open window(s) emptied. It raises
-    nothing: a state without an ``accumulate`` state is returned unchanged.
+    The state with the open window(s) emptied; one without an ``accumulate`` state unchanged.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -77,22 +73,17 @@ def flush(
 ) -> tuple[PyTree, PyTree]:
   """Closes the current (possibly incomplete) window without a new gradient.
 
-  The window mean divides by the weight accumulated so far (e.g. by 2 for the
-  last two examples of an epoch, not by ``every_k``). The flush is not counted
-  as a microbatch. Flushing an empty window is a no-op: zero updates, inner
-  state unchanged, nothing counted.
+  The mean divides by the weight accumulated so far (by 2 for the last two examples of an
+  epoch, not by ``every_k``); the flush is not counted as a microbatch. Flushing an empty
+  window is a no-op: zero updates, inner state unchanged, nothing counted.
 
   Args:
-    tx: :func:`optax_accum.accumulate`'s transformation, or any transformation
-      containing it (an ``optax.chain``, say); other members see an all-zero
-      gradient.
+    tx: :func:`optax_accum.accumulate`'s transformation, or any transformation containing
+      it (an ``optax.chain``, say); other members see an all-zero gradient.
     state: the optimizer state of ``tx``.
-    params: the current params (a tree of arrays); zero gradients of their
-      shapes and dtypes are fed through ``tx``.
-    **extra_args: forwarded to ``tx.update`` (and so to the inner optimizer).
-      The inner optimizer's ``value`` is the weighted mean of the ``value`` args
-      passed with the window's microbatches; a ``value`` passed here is
-      ignored (the flush carries no microbatch).
+    params: the current params; zero gradients of their shapes and dtypes go through ``tx``.
+    **extra_args: forwarded to ``tx.update``. The inner optimizer's ``value`` is the
+      window's weighted mean ``value``; a ``value`` passed here is ignored.
 
   Returns:
     ``(updates, new_state)``, exactly like ``tx.update``: apply the updates
@@ -171,17 +162,12 @@ def update_and_apply(
         tx, grads, opt_state, params, weight=batch_weight)
       return params, opt_state, loss
 
-  When ``tx`` is the :class:`optax_accum.Accumulation` that
-  :func:`optax_accum.accumulate` returned, this runs its ``update_and_apply``:
-  the params pass through its ``lax.cond`` (no update buffer is written); the
-  result equals ``tx.update`` + ``optax.apply_updates`` (the same arithmetic,
-  compiled in one program). For any other ``tx``, including an ``optax.chain``
-  or a user wrapper containing ``accumulate``, it *is* ``tx.update`` followed by
-  ``optax.apply_updates``: correct whatever the other members do to the
-  updates, at the cost of re-writing the params with zero updates between
-  boundaries (about 2x the fused path's traffic; docs/performance.md).
-  Under ``jax.vmap`` over states the ``lax.cond`` becomes a select: still
-  exact, only the saving is lost.
+  For the :class:`optax_accum.Accumulation` that :func:`optax_accum.accumulate` returned,
+  the params pass through its ``lax.cond`` (no update buffer is written), with the same
+  arithmetic as ``tx.update`` + ``optax.apply_updates``. Any other ``tx`` (an ``optax.chain``
+  containing ``accumulate``, say) runs exactly those two, re-writing the params between
+  boundaries (about 2x the fused traffic; docs/performance.md). Under ``jax.vmap`` over
+  states the ``lax.cond`` becomes a select: still exact, only the saving is lost.
 
   Args:
     tx: any optax transformation; ``accumulate(...)`` itself for the fused path.

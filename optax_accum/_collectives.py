@@ -1,10 +1,7 @@
 """``count_collectives``: how often a compiled step communicates, read from its HLO text.
 
-A collective reachable from a ``while`` body runs once per iteration (per
-microbatch of a ``lax.scan``), one reachable from a ``conditional`` branch when
-the branch is taken (per window at the boundary), any other once per call.
-XLA's text format can change between releases: ``tests/test_testing.py`` checks
-the parser on programs whose counts are known.
+XLA's text format can change between releases: ``tests/test_testing.py`` checks the parser
+on programs whose counts are known.
 """
 
 from __future__ import annotations
@@ -63,12 +60,9 @@ def _reachable(roots: set[str], bodies: dict[str, list[str]]) -> set[str]:
 def count_collectives(hlo_text: str) -> dict[str, collections.Counter]:
   """Counts the collectives of a compiled program: outside, in conditionals, in loop bodies.
 
-  A step of :func:`optax_accum.accumulate` runs its boundary in a
-  ``lax.cond``: communication there happens once per window. The ``lax.scan``
-  of :func:`optax_accum.microbatched_value_and_grad` is a ``while`` loop:
-  communication in its body happens once per microbatch. Async pairs
-  (``all-reduce-start``/``-done``) count once; a variadic all-reduce of
-  several arrays counts once.
+  ``accumulate``'s boundary is a ``lax.cond`` (once per window); the in-step ``lax.scan`` is
+  a ``while`` loop (once per microbatch). Async pairs (``all-reduce-start``/``-done``) and a
+  variadic all-reduce of several arrays count once.
 
   Args:
     hlo_text: ``jax.jit(step).lower(*args).compile().as_text()``.
@@ -76,10 +70,8 @@ def count_collectives(hlo_text: str) -> dict[str, collections.Counter]:
   Returns:
     ``{'outside': Counter, 'in_conditional': Counter, 'in_loop': Counter}``
     keyed by opcode (``'all-reduce'``, ``'all-gather'``, ``'reduce-scatter'``,
-    ``'all-to-all'``, ``'collective-permute'``). A collective in a
-    conditional inside a loop body counts as ``'in_loop'`` (it may run per
-    iteration). It raises nothing: text without HLO computations gives three
-    empty counters.
+    ``'all-to-all'``, ``'collective-permute'``); a conditional inside a loop body counts as
+    ``'in_loop'``. Text without HLO computations gives three empty counters.
 
   Examples:
     >>> from optax_accum.testing import count_collectives

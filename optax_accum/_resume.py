@@ -31,9 +31,8 @@ PyTree = Any
 def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
   """The shapes, dtypes and shardings of ``tx.init(params)``, without computing it.
 
-  Use it as the target of a sharded restore (``orbax.checkpoint``'s
-  ``StandardCheckpointer().restore(path, target)``); each restored leaf is then
-  read directly into its shard.
+  The target of a sharded restore (orbax's ``StandardCheckpointer().restore(path, target)``):
+  each restored leaf is read directly into its shard.
 
   Args:
     tx: any ``optax.GradientTransformation``.
@@ -41,14 +40,11 @@ def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
       ``sharding`` (see :func:`optax_accum.sharding.state_shardings`).
 
   Returns:
-    A tree of ``jax.ShapeDtypeStruct`` with the structure of the state: the
-    shapes and dtypes of ``jax.eval_shape(tx.init, params)`` and the shardings
-    of :func:`optax_accum.sharding.state_shardings`.
+    A tree of ``jax.ShapeDtypeStruct``: ``jax.eval_shape(tx.init, params)`` with the
+    shardings of :func:`optax_accum.sharding.state_shardings`.
 
   Raises:
-    TypeError: if a param has no sharding (a NumPy array, say) or a sharding
-      from which no replicated sharding can be derived (as
-      :func:`optax_accum.sharding.state_shardings`).
+    TypeError: as :func:`optax_accum.sharding.state_shardings` (a param without sharding).
 
   Examples:
     >>> import optax, optax_accum

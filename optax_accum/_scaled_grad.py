@@ -21,28 +21,18 @@ def scaled_value_and_grad(
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad`` of ``loss_fn`` times the loss scale found in an optimizer state.
 
-  Use it with ``accumulate(..., loss_scale=...)``: the returned function reads
-  the scale from the optimizer state on every call, so a stale scale cannot be
-  used, and the state divides the accumulated gradient by the same scale once
-  at the boundary (PyTorch AMP's ``scaler.scale(loss).backward()``).
-
-  The loss-scale convention of the library: ``accumulate(loss_scale=...)``
-  takes the *policy* (``static_loss_scale(...)``, ``dynamic_loss_scale(...)``)
-  and keeps the scale in force in its state; a gradient helper takes that
-  *value* (``optax_accum.get_loss_scale(opt_state)``), returns the unscaled
-  loss and the gradient of ``loss * scale``, and never divides. The in-step
-  helper follows it: ``microbatched_value_and_grad(loss_fn, K,
-  loss_scale=optax_accum.get_loss_scale(opt_state))`` returns
-  what this function returns on the whole batch.
+  For ``accumulate(..., loss_scale=...)``: the scale is read from the state on every call (it
+  cannot be stale), and the state divides by it once at the boundary (PyTorch AMP's
+  ``scaler.scale(loss).backward()``). The library's one convention: ``accumulate`` takes the
+  *policy* and keeps the scale in its state; a gradient helper takes that *value*, returns
+  the unscaled loss and the gradient of ``loss * scale``, and never divides (as
+  ``microbatched_value_and_grad(..., loss_scale=get_loss_scale(opt_state))``).
 
   Args:
-    loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss (or
-      ``(loss, aux)`` with ``has_aux``). The loss is cast to float32 before it
-      is scaled, so an fp16 loss does not overflow when multiplied. Compute
-      the loss's final reduction in float32 too: if ``loss_fn`` returns an
-      fp16 value, the cotangent flowing back into it is the scale held in
-      fp16, which is inf for any scale >= 2**16 (the first windows are then
-      skipped until the scale has backed off).
+    loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss (or ``(loss,
+      aux)`` with ``has_aux``), cast to float32 before it is scaled. Reduce it in float32
+      too: an fp16 loss's cotangent is the scale in fp16, inf for a scale >= 2**16 (the
+      first windows are skipped until the scale has backed off).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
   Returns:

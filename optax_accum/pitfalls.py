@@ -1,15 +1,12 @@
 """Detection of the README's accumulation pitfalls, with a warning that says the fix.
 
-Each check reads what is known at ``init`` or trace time, from optax's public
-state types only, and warns with :class:`PitfallWarning` (free in the compiled
-step): ``accumulate(...).init`` runs :func:`check_inner_state`;
-:func:`optax_accum.update_and_apply` with a ``tx`` around ``accumulate``,
-:func:`optax_accum.flush`, :func:`optax_accum.discard` and the Flax integrations
-run :func:`check_state` (``tx.update`` and ``init`` of ``accumulate`` cannot see
-what wraps them). A clip chained before ``accumulate``
-has an ``EmptyState`` like many transformations, so it is documented (README,
-Pitfalls), not detected. None of these is wrong in every case, so they warn
-rather than raise, once per call site by default. To silence them::
+Each check reads optax's public state types at ``init`` or trace time and warns with
+:class:`PitfallWarning` (free in the compiled step): ``accumulate(...).init`` runs
+:func:`check_inner_state`; ``update_and_apply``, ``flush``, ``discard`` and the Flax
+integrations run :func:`check_state` (``accumulate``'s own ``init`` and ``update`` cannot
+see what wraps them). A clip before ``accumulate`` has an ``EmptyState`` like many
+transformations: documented (README, Pitfalls), not detected. None is wrong in every case,
+so they warn, once per call site by default. To silence them::
 
   warnings.filterwarnings("ignore", category=optax_accum.pitfalls.PitfallWarning)
 """
@@ -75,12 +72,8 @@ def check_inner_state(inner_state: PyTree, state_type: type) -> PyTree:
   the inner optimizer steps once per ``k1 * k2`` microbatches.
 
   Args:
-    inner_state: the inner optimizer's freshly initialized state.
-    state_type: :class:`optax_accum.AccumulationState` (passed in by the caller,
-      which owns it: this module imports no state module).
-
-  Returns:
-    ``inner_state``, unchanged.
+    inner_state: the inner optimizer's fresh state (returned unchanged).
+    state_type: :class:`optax_accum.AccumulationState` (this module imports no state module).
 
   Warns:
     PitfallWarning: naming the fix, one ``accumulate(opt, every_k=k1 * k2)``.
@@ -122,8 +115,8 @@ def check_state(opt_state: PyTree, state_type: type) -> None:
     advances once per microbatch, not once per window.
 
   Args:
-    opt_state: any optimizer state (a tree, ``nnx.Optimizer.opt_state``);
-      without an :class:`optax_accum.AccumulationState` nothing is checked.
+    opt_state: any optimizer state (or ``nnx.Optimizer.opt_state``); nothing is checked
+      without an :class:`optax_accum.AccumulationState` (``state_type``) in it.
     state_type: :class:`optax_accum.AccumulationState`.
 
   Warns:

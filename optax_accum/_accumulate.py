@@ -138,12 +138,10 @@ def accumulate(
       ``num_updates`` (int32) returning an integer scalar (below 1 acts as 1),
       like ``optax.MultiSteps(every_k_schedule=...)``. None: no count limit
       (``window_weight`` required); with ``window_weight`` too, a cap.
-    window_weight: the window's budget of weight (tokens, examples): it closes
-      at the first microbatch whose cumulative weight reaches it, and the mean
-      divides by the weight accumulated. A number (finite, > 0, exact in the
-      weight-sum dtype) or a ramp, a callable of what ``window_weight_of``
-      names. Under ``axis_name`` the budget is global (one scalar ``psum`` per
-      microstep). docs/window_weight.md.
+    window_weight: the window's budget of weight (tokens, examples): it closes at the first
+      microbatch whose cumulative weight reaches it. A number (finite, > 0, exact in the
+      weight-sum dtype) or a ramp, a callable of what ``window_weight_of`` names; global
+      under ``axis_name`` (one scalar ``psum`` per microstep). docs/window_weight.md.
     window_weight_of: for a ramp (required then, refused otherwise):
       ``'num_updates'`` or ``'weight_seen'`` (``metrics(state).weight_seen``).
     accumulator_dtype: None (default): ``promote_types(grad.dtype, float32)``
@@ -156,22 +154,17 @@ def accumulate(
     skip_nonfinite: skip windows whose mean has a NaN or Inf (default True).
     axis_name: a ``shard_map`` axis name (or tuple): each device sums its own
       microbatches; one ``psum`` at the boundary precedes the single division.
-    noise_scale_decay: None (off, nothing computed) or the EMA decay in [0, 1)
-      of the gradient noise scale ``B_simple`` (McCandlish et al. 2018, app.
-      A), from the window's own microbatches; read by
-      :func:`optax_accum.metrics` in the units of ``weight``. docs/noise_scale.md.
-    skip_if: None, :func:`optax_accum.spike_rule`, or a callable of the window's
-      statistics (a NamedTuple: ``grad_norm``, ``loss``, ``has_loss``,
-      ``weight``, ``num_updates``, 0-d) returning a boolean scalar, True to skip
-      the finite window (``metrics(state).num_spikes`` counts it); or a tuple of
-      them. docs/guards.md.
+    noise_scale_decay: None (off) or the EMA decay in [0, 1) of the gradient noise scale
+      ``B_simple`` (McCandlish et al. 2018, app. A) from the window's own microbatches, in
+      the units of ``weight`` (:func:`optax_accum.metrics`). docs/noise_scale.md.
+    skip_if: None, :func:`optax_accum.spike_rule`, a callable of the window's statistics
+      (``grad_norm``, ``loss``, ``has_loss``, ``weight``, ``num_updates``, 0-d) returning
+      True to skip a finite window (counted in ``num_spikes``), or a tuple. docs/guards.md.
 
   Returns:
-    An :class:`Accumulation` whose state is an :class:`AccumulationState`. The
-    inner optimizer sees the mean in the wider of the grads' and params'
-    dtypes; the updates have the dtypes plain ``inner`` returns (optax's
-    ``test_multi_steps_mixed_precision`` rule). Every float leaf of the state
-    stays finite while the gradients are.
+    An :class:`Accumulation` (state: :class:`AccumulationState`, finite while the gradients
+    are). ``inner`` sees the mean in the wider of the grads' and params' dtypes; the updates
+    have plain ``inner``'s dtypes (optax's ``test_multi_steps_mixed_precision`` rule).
 
   Raises:
     TypeError, ValueError: at construction, naming a bad argument; at trace

@@ -114,17 +114,13 @@ def check_compatible(
 ) -> PyTree:
   """Checks that a restored optimizer state belongs to ``tx`` before training on.
 
-  Compares ``state`` with ``tx.init(params)`` (evaluated abstractly): the same
-  leaves (by path), shapes and dtypes, and the same configuration fingerprints
-  in every :func:`optax_accum.accumulate` state: ``every_k``, the loss-scale
-  kind (none, static, dynamic) and, for a static loss scale or none, its
-  value. Resuming a window with another window length, loss scale or
-  accumulator dtype would silently mix windows, divide by the wrong scale or
-  round the open window's sum differently.
+  Compares ``state`` with an abstract ``tx.init(params)``: the same leaves (by path), shapes
+  and dtypes, and in every ``accumulate`` state the same ``every_k`` and loss-scale kind
+  (and static value). Resuming with another window length, loss scale or accumulator dtype
+  would silently mix windows, divide by the wrong scale or round the sum differently.
 
-  Orbax casts leaves to the restore target's dtypes, so a dtype change is only
-  visible in the checkpoint's metadata: check it before restoring, then the
-  restored values (for the fingerprint)::
+  Orbax casts leaves to the restore target's dtypes, so check the checkpoint's metadata
+  before restoring, then the restored values (for the fingerprint)::
 
     meta = checkpointer.metadata(path).item_metadata.tree
     optax_accum.sharding.check_compatible(tx, params, meta)
@@ -133,13 +129,10 @@ def check_compatible(
 
   Args:
     tx: the transformation to resume with.
-    params: the params (arrays or ``jax.ShapeDtypeStruct``) it was initialized
-      with.
-    state: the restored state, or any tree of leaves with ``shape`` and
-      ``dtype`` (``jax.ShapeDtypeStruct``, Orbax ``ArrayMetadata``; nested
-      dicts and lists match NamedTuples and tuples by field name and index).
-    stacked: True for a state laid out by :func:`optax_accum.sharding.stack_windows`
-      (window sums with a leading device axis).
+    params: the params (arrays or ``jax.ShapeDtypeStruct``) it was initialized with.
+    state: the restored state, or any tree of leaves with ``shape`` and ``dtype`` (Orbax
+      ``ArrayMetadata``; dicts and lists match NamedTuples and tuples by field and index).
+    stacked: True for a :func:`optax_accum.sharding.stack_windows` state (a device axis).
 
   Returns:
     ``state``, unchanged.

@@ -41,8 +41,7 @@ def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     params: a tree of sharded ``jax.Array`` (or ``ShapeDtypeStruct``), one mesh.
 
   Returns:
-    A tree of ``jax.sharding.Sharding`` shaped like the state: ``out_shardings``
-    of ``jax.jit(tx.init)``, or a checkpoint restore's target.
+    A tree of ``jax.sharding.Sharding`` like the state (``jax.jit(tx.init)``'s ``out_shardings``).
 
   Raises:
     TypeError: if a param has no sharding, or one with no replicated counterpart.

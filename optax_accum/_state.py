@@ -54,23 +54,16 @@ class AccumulationState(NamedTuple):
   Attributes:
     mini_step: int32, microbatches in the open window (0 right after a boundary).
     window: the open window's sums, a :class:`Window`.
-    num_microbatches: int32, microbatches consumed since ``init`` (a flush is
-      not counted): the data position to resume from.
+    num_microbatches: int32, microbatches consumed since ``init`` (not flushes).
     num_updates: int32, windows applied (the inner optimizer ran).
     num_skipped: int32, windows skipped because their mean was not finite.
     updated: bool, whether the last call applied an update.
-    window_loss: the weighted mean ``value`` of the last closed window whose
-      mean ``value`` was finite (0.0 until then; see ``has_window_loss``).
-    has_window_loss: bool, whether ``window_loss`` holds the last closed
-      window's value (False before one closes, and after a NaN/Inf mean).
-    grad_norm: global L2 norm of the last closed window's unscaled mean
-      gradient before clipping, if finite; else the last finite one (0.0
-      until a window closes; see ``has_grad_norm``).
-    has_grad_norm: bool, whether ``grad_norm`` is the last closed (non-empty)
-      window's norm (False before one closes, and after a skipped window).
-    every_k: int32, the fixed window length this state was made for; 0 when
-      windows are not a fixed count (an ``every_k`` schedule, or
-      ``window_weight`` alone). Checked on every concrete call.
+    window_loss: the last finite weighted mean ``value`` of a closed window (0.0 until then).
+    has_window_loss: bool, whether ``window_loss`` is the last closed window's.
+    grad_norm: the global L2 norm of the last finite unscaled window mean, before clipping.
+    has_grad_norm: bool, whether ``grad_norm`` is the last closed (non-empty) window's.
+    every_k: int32, the fixed window length the state was made for; 0 for a schedule or
+      ``window_weight`` alone. Checked on every concrete call.
     loss_scale: a ``LossScaleState`` (``scale``, ``growth_streak``,
       ``dynamic``) with ``loss_scale=...``, else ``optax.EmptyState()``.
     token_budget: a ``TokenBudgetState`` (``weight_seen``, ``window_weight``:

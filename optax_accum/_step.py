@@ -42,11 +42,16 @@ def run(config, output, compiled, grads, state, params, extra):
     return step(config, output, grads, state, params, **extra)
   check_inputs(config, grads, state, params)
   extra = dict(extra)
-  extra["weight"] = _checks.weight(extra.get("weight", 1))
-  extra["flush"] = _checks.flag(extra.get("flush", False), "flush")
-  if extra.get("value") is not None:
-    extra["value"] = _checks.scalar(extra["value"], "value", "the scalar loss of the microbatch")
-  return compiled[output](grads, state, params, **extra)
+  args = [extra.pop("weight", 1), extra.pop("flush", False), extra.pop("value", None)]
+  w, flush, value = _check_args(*args)
+  return compiled[output](grads, state, params, weight=w, flush=flush, value=value, **extra)
+
+
+def _check_args(weight, flush, value) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """``tx.update``'s own arguments, validated: the weight, the flush flag, the loss or None."""
+  if value is not None:
+    value = _checks.scalar(value, "value", "the scalar loss of the microbatch")
+  return _checks.weight(weight), _checks.flag(flush, "flush"), value
 
 
 def _concrete(tree: PyTree) -> bool:
@@ -63,10 +68,7 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
   the rest is as ``tx.update``.
   """
   check_inputs(config, grads, state, params)
-  w = _checks.weight(weight)
-  flush = _checks.flag(flush, "flush")
-  if value is not None:
-    value = _checks.scalar(value, "value", "the scalar loss of the microbatch")
+  w, flush, value = _check_args(weight, flush, value)
   _guard.check_call(config.guard, value)
   # The sum is added outside the cond: one fused, in-place pass over the donated
   # accumulator, which reads it as zeros if the window was empty (the lazy reset)

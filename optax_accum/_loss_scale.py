@@ -1,7 +1,6 @@
 """Loss scales for fp16 training: their configuration and their pure update rule.
 
-The policy is configuration (in :func:`optax_accum.accumulate`'s closure, so it
-survives ``jit``); the current scale and streak live in :class:`LossScaleState`.
+The policy lives in ``accumulate``'s closure; the scale and streak in :class:`LossScaleState`.
 """
 
 from __future__ import annotations
@@ -126,18 +125,11 @@ class DynamicLossScale:
   def adjust(
     self, scale: jax.Array, streak: jax.Array, finite: jax.Array
   ) -> tuple[jax.Array, jax.Array]:
-    """The rule applied once per non-empty window boundary.
+    """``(new_scale, new_streak)`` at a non-empty window boundary (0-d float32, int32, bool in).
 
-    Args:
-      scale: the scale in force for the window that just closed (float32, 0-d).
-      streak: applied windows since the last change of scale (int32, 0-d).
-      finite: whether the window's unscaled mean gradient was finite (bool, 0-d).
-
-    Returns:
-      ``(new_scale, new_streak)``. Finite: the streak grows; on reaching
-      ``growth_interval`` the scale is multiplied by ``growth_factor`` (capped at
-      ``max_scale``) and the streak restarts. Not finite: the scale is multiplied
-      by ``backoff_factor`` (floored at ``min_scale``) and the streak restarts.
+    Finite: the streak grows; at ``growth_interval`` the scale grows by ``growth_factor`` (capped
+    at ``max_scale``). Not finite: it backs off by ``backoff_factor`` (floored at ``min_scale``).
+    A change of scale restarts the streak.
     """
     dtype = scale.dtype
     grown_streak = streak + jnp.ones_like(streak)
@@ -159,12 +151,8 @@ LossScale = StaticLossScale | DynamicLossScale
 class LossScaleState(NamedTuple):
   """The loss scale's sub-state of :class:`optax_accum.AccumulationState`.
 
-  Attributes:
-    scale: float32, the factor to multiply the loss by in the open window.
-    growth_streak: int32, applied windows since the scale last changed (0 for
-      a static scale).
-    dynamic: bool, whether the configuration is a dynamic loss scale (a
-      fingerprint: a restored state must have been made with the same kind).
+  ``scale`` (float32) multiplies the open window's loss; ``growth_streak`` (int32) counts applied
+  windows since it changed; ``dynamic`` (bool) fingerprints the policy kind for restores.
   """
 
   scale: jax.Array
@@ -204,9 +192,8 @@ def static_loss_scale(value: float) -> StaticLossScale:
   """A constant loss scale for :func:`optax_accum.accumulate`.
 
   Args:
-    value: the factor (> 0, finite) the loss is multiplied by before
-      differentiation. The accumulated gradient is divided by it once, at the
-      window boundary.
+    value: the factor (> 0, finite) the loss is multiplied by; the accumulated gradient is
+      divided by it once, at the window boundary.
 
   Returns:
     A :class:`StaticLossScale` to pass as ``accumulate(..., loss_scale=...)``.
@@ -236,11 +223,9 @@ def dynamic_loss_scale(
 ) -> DynamicLossScale:
   """A dynamic loss scale for :func:`optax_accum.accumulate` (fp16 training).
 
-  Names and defaults are those of PyTorch's ``GradScaler``, but the scale
-  changes only at window boundaries: it is multiplied by ``backoff_factor`` once
-  per skipped window and by ``growth_factor`` after ``growth_interval``
-  consecutive applied *windows*; it stays within ``[min_scale, max_scale]``
-  (PyTorch's can grow to ``inf``). Empty windows (weight sum 0) change nothing.
+  PyTorch ``GradScaler``'s names and defaults, but the scale changes only at window boundaries:
+  ``backoff_factor`` per skipped window, ``growth_factor`` after ``growth_interval`` applied
+  *windows*, within ``[min_scale, max_scale]``. Empty windows change nothing.
 
   Args:
     init_scale: scale of the first window (float32 > 0; a power of two keeps

@@ -1,8 +1,6 @@
 """What to log about accumulation: :class:`Metrics`, :func:`metrics`, :func:`get_loss_scale`.
 
-Read from any optimizer state that contains one ``accumulate`` state (found by
-``_state.find_state``); everything works under ``jit``. A getter: it never
-warns (the pitfall checks run where the transformation is used).
+Read from any optimizer state holding one ``accumulate`` state; works under ``jit``, never warns.
 """
 
 from __future__ import annotations
@@ -25,45 +23,30 @@ class Metrics(NamedTuple):
   Attributes:
     mini_step: int32, microbatches in the current, open window.
     num_microbatches: int32, microbatches consumed since init (resume position).
-    num_updates: int32, windows applied: the counter to drive anything done
-      once per update (EMA, evaluation, checkpoints, logging).
+    num_updates: int32, windows applied: drives per-update work (EMA, eval, checkpoints, logs).
     num_skipped: int32, windows skipped for a NaN or Inf.
-    num_spikes: int32, finite windows skipped by ``accumulate(..., skip_if=...)``
-      (0 without it).
+    num_spikes: int32, finite windows skipped by ``accumulate(..., skip_if=...)`` (0 without).
     pending_weight: float, the weight (examples or tokens) in the open window.
     updated: bool, whether the last call applied an update.
-    window_loss: float, weighted mean ``value`` of the last closed window with
-      a finite one (0.0 when there is none: read ``has_window_loss``).
-    has_window_loss: bool, False while there is no window loss to log (no
-      window with ``value`` has closed, or the last one's mean was NaN/Inf).
-    loss_scale: float32, the loss scale for the current window (1.0 without
-      ``accumulate(..., loss_scale=...)``).
-    grad_norm: float, pre-clip global norm of the last closed window's mean
-      gradient (0.0 before the first window closes; the last finite norm after
-      a skipped window: read ``has_grad_norm``).
-    has_grad_norm: bool, False while ``grad_norm`` is not the last closed
-      window's norm ("no value yet": before the first window closes, or after a
-      window whose mean was NaN/Inf).
-    noise_scale: float, ``B_simple = noise_trace / noise_signal``, the gradient
-      noise scale (McCandlish et al. 2018) in the units of ``weight`` (examples
-      or tokens): the critical batch size's simple estimate. 0 until a window
-      with at least two nonzero-weight microbatches closes, while
-      ``noise_signal <= 0``, and always without ``accumulate(..., noise_scale_decay=...)``.
-      docs/noise_scale.md.
-    noise_trace: float, the bias-corrected EMA of ``S_est``, the estimate of
-      ``tr(Sigma)`` (per-example gradient covariance; squared gradient units
-      times the unit of ``weight``). 0 as ``noise_scale``.
-    noise_signal: float, the bias-corrected EMA of ``G2_est``, the estimate of
-      ``|G|^2`` (squared gradient units). 0 as ``noise_scale``.
-    weight_seen: with ``accumulate(..., window_weight=...)``, a ``WeightCount``
-      (a pytree of three 0-d arrays), the exact weight (tokens, examples) of
-      every window closed since init: the position a token schedule or a data
-      loader resumes from at a boundary. ``float(m.weight_seen)`` /
-      ``int(...)`` read it exactly outside ``jit``; ``m.weight_seen.approx()``
-      is a rounded float array under ``jit``. None without a token budget.
-    window_weight: with a token budget, a ``WeightCount``, the weight of the
-      last closed non-empty window (the effective batch of the last update, in
-      tokens or examples); None without one.
+    window_loss: float, weighted mean ``value`` of the last closed window with a finite one
+      (0.0 if none: read ``has_window_loss``).
+    has_window_loss: bool, False if no window with ``value`` has closed or its mean was NaN/Inf.
+    loss_scale: float32, the current window's loss scale (1.0 without ``loss_scale=``).
+    grad_norm: float, pre-clip global norm of the last closed window's mean gradient (0.0
+      before the first; the last finite norm after a skipped window: read ``has_grad_norm``).
+    has_grad_norm: bool, whether ``grad_norm`` is the last closed window's (finite) norm.
+    noise_scale: float, ``B_simple = noise_trace / noise_signal``, the gradient noise scale
+      (McCandlish et al. 2018) in ``weight`` units: the critical batch size's simple estimate.
+      0 until a window with two nonzero-weight microbatches closes, while ``noise_signal <= 0``
+      and without ``accumulate(..., noise_scale_decay=...)``. docs/noise_scale.md.
+    noise_trace: float, bias-corrected EMA of ``S_est`` ~ ``tr(Sigma)`` (per-example gradient
+      covariance; squared gradient units times ``weight`` units). 0 as ``noise_scale``.
+    noise_signal: float, bias-corrected EMA of ``G2_est`` ~ ``|G|^2``. 0 as ``noise_scale``.
+    weight_seen: with ``window_weight=...``, a ``WeightCount`` (three 0-d arrays), the exact
+      weight of every window closed since init (where a data loader resumes). ``float()`` /
+      ``int()`` read it exactly outside ``jit``, ``.approx()`` under it. None without a budget.
+    window_weight: with a token budget, a ``WeightCount``, the weight of the last closed
+      non-empty window (the last update's effective batch); None without one.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -106,8 +89,8 @@ def metrics(opt_state: PyTree) -> Metrics:
   """Accumulation metrics from any optimizer state that contains one ``accumulate``.
 
   Args:
-    opt_state: the state of :func:`optax_accum.accumulate`, of a chain or other
-      wrapper containing it, or Flax's ``nnx.Optimizer.opt_state``.
+    opt_state: the state of :func:`optax_accum.accumulate`, of a wrapper containing it, or
+      Flax's ``nnx.Optimizer.opt_state``.
 
   Returns:
     A :class:`Metrics` of 0-d arrays (works under ``jit``).
@@ -165,8 +148,7 @@ def get_loss_scale(opt_state: PyTree) -> jax.Array:
     opt_state: any optimizer state containing one :func:`optax_accum.accumulate`.
 
   Returns:
-    A float32 0-d array: 1.0 without a loss scale. It changes only at window
-    boundaries, so every microbatch of a window uses the same scale.
+    A float32 0-d array, 1.0 without a loss scale; it changes only at window boundaries.
 
   Raises:
     ValueError: if ``opt_state`` holds no or several accumulation states.

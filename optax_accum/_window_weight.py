@@ -1,8 +1,7 @@
 """Token-budget windows: the budget, the boundary decision and the exact weight counters.
 
-A window may close at the first microbatch whose cumulative weight reaches
-``window_weight``, a number or a ramp; docs/window_weight.md says how, and
-docs/design.md lists this module's parts.
+A window closes at the first microbatch whose cumulative weight reaches ``window_weight`` (a
+number or a ramp); see docs/window_weight.md.
 """
 
 from __future__ import annotations
@@ -25,15 +24,7 @@ _WEIGHT_OF = ("num_updates", "weight_seen")
 
 
 def check_window_weight(every_k: Any, budget: Any, budget_of: Any) -> Budget | None:
-  """Validates ``accumulate``'s ``window_weight`` and ``window_weight_of``.
-
-  Returns:
-    A :class:`Budget`: a float budget with ``of=None``, or a callable ramp with
-    ``of`` in ``('num_updates', 'weight_seen')``; None without a budget.
-
-  Raises:
-    TypeError, ValueError: naming the argument, the limit and what to do.
-  """
+  """Validates ``window_weight``/``window_weight_of``: a :class:`Budget`, or None without one."""
   if budget is None:
     if every_k is None:
       raise ValueError(
@@ -104,12 +95,7 @@ def window_weight_value(value: Any) -> jax.Array:
 
 
 class Budget(NamedTuple):
-  """A validated ``window_weight`` configuration (it lives in ``accumulate``'s closure).
-
-  Attributes:
-    value: the budget, a float (a fixed budget) or a callable (a ramp).
-    of: for a ramp, ``'num_updates'`` or ``'weight_seen'``: what it is called with.
-  """
+  """A validated ``window_weight``: ``value`` (a float or a ramp) and ``of`` (a ramp's argument)."""
 
   value: float | Callable[[jax.Array], Any]
   of: str | None
@@ -118,11 +104,7 @@ class Budget(NamedTuple):
 def budget(config: Budget, num_updates: jax.Array, weight_seen: WeightCount) -> jax.Array:
   """The open window's budget, a scalar of ``_numerics.scalar_dtype()``.
 
-  A ramp of ``'num_updates'`` is called with the int32 applied-window count; a
-  ramp of ``'weight_seen'`` with the weight of every window closed so far, as a
-  float array (:meth:`WeightCount.approx`: rounded above 2**24 in float32, a
-  relative 6e-8, which a schedule does not notice). Both stay fixed while the
-  window is open.
+  A ramp gets int32 ``num_updates`` or float ``weight_seen.approx()``, fixed while a window is open.
   """
   if not callable(config.value):
     return jnp.asarray(config.value, _numerics.scalar_dtype())
@@ -137,24 +119,10 @@ def reached(
   weight_seen: WeightCount,
   axis_name: str | tuple[str, ...] | None,
 ) -> jax.Array | bool:
-  """Whether the open window, with this call's microbatch added, reaches its budget.
+  """Whether the window, with this microbatch, reaches its budget: ``~(window_sum < budget)``.
 
-  ``~(window_sum < budget)``: the first microbatch whose cumulative weight
-  reaches the budget closes the window, keeping its overshoot; a budget of 0,
-  a negative one or NaN closes every window at its first microbatch.
-
-  Args:
-    config: the budget, or None (never: ``False``, nothing computed).
-    window_sum: the window's weight sum including this microbatch (this
-      device's under ``axis_name``).
-    num_updates: the state's applied-window count.
-    weight_seen: the state's weight of the closed windows.
-    axis_name: ``accumulate``'s ``axis_name``: the window's weight is global,
-      so it is summed over the devices here, the one scalar all-reduce per
-      microstep that a budget costs (every device then decides alike).
-
-  Returns:
-    A boolean scalar, or ``False`` without a budget.
+  ``False`` without a budget. Under ``axis_name`` the sum is psum'd (one scalar all-reduce), so
+  every device decides alike; a budget <= 0 or NaN closes every window at its first microbatch.
   """
   if config is None:
     return False
@@ -166,13 +134,8 @@ def reached(
 class TokenBudgetState(NamedTuple):
   """The token budget's sub-state of :class:`optax_accum.AccumulationState`.
 
-  Attributes:
-    weight_seen: a ``WeightCount`` (uint32 ``high`` and ``low`` words and a
-      float ``frac``), the exact weight of every window closed since ``init``
-      (applied, skipped or flushed; global under ``axis_name``). Fixed while
-      a window is open; a discarded window is not counted.
-    window_weight: a ``WeightCount``, the weight of the last closed non-empty
-      window (0 until one closes).
+  ``weight_seen``: exact ``WeightCount`` of every closed (not discarded) window since ``init``;
+  ``window_weight``: that of the last closed non-empty window (0 until one closes).
   """
 
   weight_seen: WeightCount
@@ -201,32 +164,21 @@ def sqrt_scaled_schedule(
 ) -> Callable[[jax.Array], jax.Array]:
   """A learning rate scaled with the square root of the window's weight (Adam's rule).
 
-  ``lr(count) = schedule(count) * sqrt(window_weight(count) / reference_weight)``:
-  when a ramp doubles the tokens per update, Adam's learning rate grows by
-  ``sqrt(2)``, as OLMo's batch-size scheduler does. Inside
-  :func:`optax_accum.accumulate` the inner optimizer's ``count`` is
-  ``num_updates`` (applied windows), so pass the same ramp that was given to
-  ``accumulate(..., window_weight=ramp, window_weight_of='num_updates')``. For a
-  ramp of ``'weight_seen'``, express it as a function of ``num_updates`` here
-  (the tokens per update are the budget it returns), or set the learning rate
-  with ``optax.inject_hyperparams`` from ``metrics(state).window_weight``.
+  ``lr(count) = schedule(count) * sqrt(window_weight(count) / reference_weight)``. In
+  :func:`optax_accum.accumulate` ``count`` is ``num_updates``: pass the ramp given with
+  ``window_weight_of='num_updates'`` (rewrite a ``'weight_seen'`` ramp in ``num_updates``).
 
   Args:
-    schedule: the base learning rate, a number or any optax schedule (a
-      callable of the step count): the rate at ``reference_weight`` tokens per
-      update.
-    window_weight: the window's budget, a number or a callable of the step
-      count returning a positive number.
-    reference_weight: the window weight at which ``schedule`` applies unscaled;
-      a finite number > 0.
+    schedule: the learning rate at ``reference_weight`` tokens per update, a number or schedule.
+    window_weight: the window's budget, a number or a callable of the count (positive).
+    reference_weight: the window weight at which ``schedule`` applies unscaled (finite, > 0).
 
   Returns:
     A schedule (a callable of the step count) for any optax optimizer.
 
   Raises:
-    TypeError, ValueError: for a ``reference_weight`` that is not a finite
-      number > 0, or a ``schedule`` or ``window_weight`` that is neither a
-      number nor a callable.
+    TypeError, ValueError: for a ``reference_weight`` not finite and > 0, or a ``schedule`` or
+      ``window_weight`` neither a number nor a callable.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -238,11 +190,10 @@ def sqrt_scaled_schedule(
     ...   optax.adam(lr), window_weight=ramp, window_weight_of='num_updates')
 
   References:
-    allenai/OLMo-core, ``src/olmo_core/train/callbacks/batch_size_scheduler.py``
-    (``BatchSizeSchedulerCallback``: Adam's base learning rate times
-    ``sqrt(new batch size / old batch size)``); Malladi et al., `On the SDEs and
-    Scaling Rules for Adaptive Gradient Algorithms <https://arxiv.org/abs/2205.10287>`_
-    (2022), the square-root scaling rule for Adam.
+    allenai/OLMo-core, ``BatchSizeSchedulerCallback`` in
+    ``src/olmo_core/train/callbacks/batch_size_scheduler.py``; Malladi et al. 2022, `On the SDEs
+    and Scaling Rules for Adaptive Gradient Algorithms <https://arxiv.org/abs/2205.10287>`_, the
+    square-root scaling rule for Adam.
   """
   for value, name in ((schedule, "schedule"), (window_weight, "window_weight")):
     if not callable(value):

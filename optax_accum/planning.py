@@ -1,11 +1,8 @@
 """Choose the microbatch size from compiled memory, before the first step.
 
-XLA reports a step's memory when it compiles it (``memory_analysis()``), from
-``jax.ShapeDtypeStruct`` arguments, with nothing allocated or run. So the
-largest microbatch that fits a memory budget is found by compiling a few sizes
-(:func:`plan_microbatch`), not by catching out-of-memory errors and retrying;
-:func:`microbatches_for` turns the plan into ``num_microbatches`` (in-step) or
-``every_k`` (across-step) for a target global batch.
+:func:`plan_microbatch` compiles a few sizes (XLA ``memory_analysis()``, nothing run) instead
+of retrying on out-of-memory; :func:`microbatches_for` turns the plan into ``num_microbatches``
+(in-step) or ``every_k`` (across-step) for a global batch.
 """
 
 from __future__ import annotations
@@ -32,12 +29,8 @@ __all__ = [
 ]
 
 SAFETY_MARGIN = 0.10
-"""Fraction of the device's ``bytes_limit`` the default budget leaves free.
-
-For what the compiled step does not count: arrays the program holds outside
-the step (a second copy of a batch being loaded, metrics, an eval state) and
-allocator fragmentation.
-"""
+"""Fraction of ``bytes_limit`` the default budget leaves free, for what the compiled step does not
+count (arrays held outside the step, allocator fragmentation)."""
 
 DEFAULT_SIZES = tuple(2**i for i in range(21))  # 1, 2, 4, ..., 1,048,576 rows
 
@@ -50,16 +43,13 @@ class MicrobatchPlan(NamedTuple):
   """What :func:`plan_microbatch` found.
 
   Attributes:
-    size: the largest candidate microbatch size (rows) whose compiled step fits
-      ``budget``.
+    size: the largest candidate size (rows) whose compiled step fits ``budget``.
     peak_bytes: the compiled step's bytes at ``size`` (per device under a mesh).
     budget: the budget in bytes the sizes were held to.
-    measured: ``{size: peak bytes}`` of every size the search looked at (compiled
-      or ``known``), in that order.
+    measured: ``{size: peak bytes}`` of every size looked at (compiled or ``known``), in order.
     num_compilations: how many sizes were compiled (those of ``measured`` not ``known``).
     num_candidates: how many candidate sizes there were.
-    fixed_bytes: the intercept of the line through the two probes (bytes at
-      size 0: params, optimizer state, code-independent buffers).
+    fixed_bytes: the two probes' line at size 0 (params, optimizer state, fixed buffers).
     bytes_per_row: its slope, bytes per microbatch row (0.0 with one candidate).
   """
 
@@ -78,9 +68,7 @@ class MicrobatchSplit(NamedTuple):
 
   Attributes:
     microbatch_size: rows per microbatch.
-    num_microbatches: microbatches per global batch: ``num_microbatches`` of
-      :func:`optax_accum.microbatched_value_and_grad` (in-step), or ``every_k``
-      of :func:`optax_accum.accumulate` (across-step).
+    num_microbatches: microbatches per global batch (in-step; ``every_k`` across-step).
   """
 
   microbatch_size: int
@@ -95,8 +83,8 @@ class MicrobatchSplit(NamedTuple):
 def parse_bytes(value: int | str) -> int:
   """Reads a memory size: an int of bytes, or a string like ``"200MB"`` or ``"1.5GiB"``.
 
-  Units (case-insensitive): ``B``, decimal ``kB MB GB TB`` (powers of 1000) and
-  binary ``KiB MiB GiB TiB`` (powers of 1024), as in IEC 80000-13. No unit means bytes.
+  Units (case-insensitive, IEC 80000-13): ``B``, ``kB MB GB TB`` (1000**n), ``KiB MiB GiB TiB``
+  (1024**n); none means bytes.
 
   Args:
     value: a positive int, or a number with an optional unit.
@@ -140,8 +128,7 @@ def default_budget(device: Any = None) -> int:
     ``floor(bytes_limit * (1 - SAFETY_MARGIN))`` bytes.
 
   Raises:
-    ValueError: where the backend reports no ``bytes_limit`` (CPU: ``memory_stats()``
-      is ``None``); pass ``memory_budget=`` to :func:`plan_microbatch` there.
+    ValueError: where the backend reports no ``bytes_limit`` (CPU); pass ``memory_budget=``.
 
   Examples:
     >>> default_budget()  # doctest: +SKIP
@@ -160,11 +147,8 @@ def default_budget(device: Any = None) -> int:
 def compiled_peak_bytes(step_fn: Callable[..., Any], *args: Any) -> int:
   """Bytes the compiled ``step_fn(*args)`` needs: arguments + outputs + temporaries - aliased.
 
-  From ``jax.jit(step_fn).lower(*args).compile().memory_analysis()`` (a
-  ``jax.jit`` function is lowered as it is, keeping its shardings and
-  donation). Aliased bytes are outputs written into donated arguments' buffers.
-  For a sharded step the sizes are those of one device's program, so the
-  result is per device. Nothing is allocated or run.
+  From ``jax.jit(step_fn).lower(*args).compile().memory_analysis()``, keeping a jitted step's
+  shardings and donation (aliased: outputs in donated buffers); per device if sharded. Nothing runs.
 
   Args:
     step_fn: the step, a function or a ``jax.jit`` function.
@@ -222,9 +206,7 @@ def _search(
 ) -> dict[int, int]:
   """Compiles as few candidates as it can; returns ``{size: bytes}`` of those it looked at.
 
-  Keeps a bracket ``lo`` (fits) < ``hi`` (does not fit): the two probes' line
-  predicts an index, the search gallops from there (steps 1, 2, 4, ...) and
-  bisects once a step would pass the bracket's middle. ``known`` sizes are looked up.
+  The probes' line predicts an index; gallop from it, then bisect the fits/does-not-fit bracket.
   """
   measured: dict[int, int] = {}
 
@@ -265,26 +247,19 @@ def plan_microbatch(
 ) -> MicrobatchPlan:
   """The largest microbatch size whose compiled step fits a memory budget.
 
-  Compiles ``step_fn(*make_args(size))`` ahead of time for a few candidate
-  sizes and reads each one's bytes with :func:`compiled_peak_bytes`; nothing is
-  allocated or run. The line through the smallest and largest candidates'
-  bytes predicts the size; when the bytes are linear in the size, 4
-  compilations settle it, never more than about ``2 * log2(len(sizes)) + 3``.
-  Assumes the bytes do not shrink as the size grows. Across-step, in-step and
-  sharded steps (bytes per device) are in ``docs/planning.md``.
+  Compiles ``step_fn(*make_args(size))`` for a few sizes (:func:`compiled_peak_bytes`, nothing
+  runs): 4 compilations for linear bytes, at most about ``2 * log2(len(sizes)) + 3``. Assumes bytes
+  do not shrink as the size grows. Sharded, in-step and across-step use: ``docs/planning.md``.
 
   Args:
     step_fn: the train step; pass the ``jax.jit`` function itself to keep its
       ``donate_argnums`` (donated state is counted once, not twice) and shardings.
-    make_args: ``make_args(size)`` returns the tuple of ``step_fn``'s positional
-      arguments for a microbatch of ``size`` rows; ``jax.ShapeDtypeStruct``
-      leaves (e.g. from ``jax.eval_shape``) are enough.
-    memory_budget: bytes (an int, or a str for :func:`parse_bytes` such as
-      ``"200MB"``). Default: :func:`default_budget`, the device's ``bytes_limit``
-      less :data:`SAFETY_MARGIN`; on CPU, which reports none, it must be given.
-    sizes: candidate sizes (rows), e.g. the divisors of the per-device global
-      batch; a ``range`` is searched without being listed. Default: the powers
-      of two from 1 to 2**20.
+    make_args: ``make_args(size)`` -> the tuple of ``step_fn``'s positional arguments for
+      ``size`` rows; ``jax.ShapeDtypeStruct`` leaves (e.g. ``jax.eval_shape``) are enough.
+    memory_budget: bytes, an int or a str for :func:`parse_bytes` (``"200MB"``). Default:
+      :func:`default_budget`; required on CPU.
+    sizes: candidate sizes (rows), e.g. divisors of the per-device batch; a ``range`` is not
+      listed. Default: powers of two from 1 to 2**20.
     known: ``{size: bytes}`` already measured with :func:`compiled_peak_bytes`
       for this step (e.g. a size just refused); looked up instead of compiled.
 
@@ -292,9 +267,9 @@ def plan_microbatch(
     A :class:`MicrobatchPlan`.
 
   Raises:
-    ValueError: if the budget cannot be read or has no default here, ``sizes``
-      holds no valid size, or even the smallest candidate does not fit (the
-      message gives its bytes).
+    ValueError: if the budget cannot be read or has no default here, ``sizes`` holds no valid
+      size, or even the smallest candidate does not fit.
+    TypeError: if ``make_args`` does not return a tuple.
 
   Examples:
     >>> def step(w, x):  # the gradient of a 1000-parameter linear model
@@ -352,11 +327,8 @@ def microbatches_for(
 ) -> MicrobatchSplit:
   """Cuts ``global_batch`` rows into the fewest equal microbatches that fit the plan.
 
-  The microbatch size is the largest divisor of ``global_batch`` that is at most
-  ``plan.size`` and a multiple of ``multiple_of``; every microbatch is full, so
-  the effective batch, and with weights the update, are those of one physical
-  batch of ``global_batch`` rows. Smaller sizes than ``plan.size`` are taken to
-  fit too (bytes grow with the size).
+  The size is the largest divisor of ``global_batch`` that is <= ``plan.size`` and a multiple of
+  ``multiple_of``; every microbatch is full, so the update is one physical batch's.
 
   Args:
     plan: a :class:`MicrobatchPlan`.
@@ -365,8 +337,7 @@ def microbatches_for(
       data-parallel devices, so each gets whole rows).
 
   Returns:
-    A :class:`MicrobatchSplit`; use ``num_microbatches`` in-step or ``every_k``
-    across-step.
+    A :class:`MicrobatchSplit` (``num_microbatches`` in-step, ``every_k`` across-step).
 
   Raises:
     TypeError, ValueError: for a non-positive ``global_batch`` or ``multiple_of``,

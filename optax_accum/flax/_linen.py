@@ -1,10 +1,7 @@
 """A Linen ``TrainState`` that passes microbatch weights and counts applied updates.
 
-Flax's ``TrainState.apply_gradients`` forwards no extra arguments to
-``tx.update`` and increments ``step`` on every call; this subclass forwards
-``weight`` and ``flush``, advances ``step`` only on applied windows and takes the
-fused path (:func:`optax_accum.update_and_apply`). Without ``weight`` every
-microbatch weighs 1, exact for equal sizes (docs/flax.md).
+Unlike Flax's, it forwards ``weight`` and ``flush``, advances ``step`` only on applied windows
+and takes the fused path (:func:`optax_accum.update_and_apply`); see docs/flax.md.
 """
 
 from __future__ import annotations
@@ -24,11 +21,8 @@ from optax_accum._state import AccumulationState, find_states
 class TrainState(train_state.TrainState):
   """Flax Linen ``TrainState`` for optimizers wrapped in :func:`optax_accum.accumulate`.
 
-  Create it exactly like Flax's (``TrainState.create(apply_fn=..., params=...,
-  tx=...)``). ``step`` counts *applied updates*: it is what schedules count
-  (``num_updates``), so use it for EMA, evaluation and checkpoint intervals.
-  With a ``tx`` that contains no ``accumulate``, ``step`` counts calls, as in
-  Flax.
+  Created like Flax's. ``step`` counts *applied updates* (``num_updates``, as schedules do): use
+  it for EMA, evaluation and checkpoints. Without ``accumulate`` in ``tx`` it counts calls.
 
   Attributes:
     step: applied updates since creation (int32 0-d array after the first call).
@@ -67,8 +61,7 @@ class TrainState(train_state.TrainState):
       **kwargs: other dataclass fields of a subclass.
 
     Returns:
-      The new state. ``step`` is an int32 array (not Flax's Python ``0``) so
-      that a jitted train step compiles once, not again after the first call.
+      The new state; an int32 ``step`` (not Flax's ``0``) keeps a jitted step from recompiling.
     """
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.zeros((), jnp.int32))
@@ -109,12 +102,11 @@ class TrainState(train_state.TrainState):
       **kwargs: other dataclass fields to ``.replace()``, as in Flax.
 
     Returns:
-      A new state: ``params`` and ``opt_state`` updated (params change only at
-      a boundary), ``step`` + 1 if a window was applied, else unchanged.
+      A new state (params change only at a boundary); ``step`` + 1 if a window was applied.
 
     Raises:
-      TypeError, ValueError: from ``tx.update`` for a bad weight or grads that
-        do not match the params.
+      TypeError, ValueError: from ``tx.update`` (a bad weight, grads not matching the params).
+      ValueError: if ``tx`` contains several ``accumulate`` transformations.
     """
     return self._apply(
       lambda g, p: update_and_apply(self.tx, g, self.opt_state, p, weight=weight, flush=flush),

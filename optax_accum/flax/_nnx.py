@@ -39,23 +39,14 @@ def _commit(optimizer: nnx.Optimizer, model: Any, params: Any, opt_state: Any) -
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` on the fused path; ``step`` counts applied updates.
 
-  Same constructor as ``nnx.Optimizer`` (``Optimizer(model, tx, wrt=nnx.Param)``)
-  and the same ``update(model, grads, **kwargs)`` signature; ``kwargs`` go to
-  ``tx.update`` (``weight``, ``flush``, ``value``, the inner optimizer's extra
-  args). Close the last, incomplete window with ``flush=True`` on its last
-  microbatch; drop it with ``opt.opt_state = optax_accum.discard(opt.opt_state)``.
-  With ``tx = optax_accum.accumulate(...)``, ``update`` is
-  :func:`optax_accum.update_and_apply`: between boundaries the params are not
-  touched and no update tree is written, so a microstep costs what
-  ``acc += weight * grads`` costs. With any other ``tx`` (a chain around
-  ``accumulate``, a plain optimizer) it is ``tx.update`` +
-  ``optax.apply_updates``, as in Flax.
+  Same constructor and ``update(model, grads, **kwargs)`` as ``nnx.Optimizer``; ``kwargs`` go to
+  ``tx.update`` (``weight``, ``flush``, ``value``, ...). ``update`` is
+  :func:`optax_accum.update_and_apply` (see it). Close the last window with ``flush=True``, or
+  drop it with ``opt.opt_state = optax_accum.discard(opt.opt_state)``.
 
-  ``step`` counts *applied updates* (what a schedule counts; skipped and open
-  windows are not counted): use it for EMA, evaluation and checkpoint
-  intervals. The microbatch count (the data position) is
-  ``optax_accum.metrics(opt.opt_state).num_microbatches``. With a ``tx`` that
-  holds no ``accumulate``, ``step`` counts calls, as in Flax.
+  ``step`` counts *applied updates* (as a schedule does): use it for EMA, evaluation and
+  checkpoints; the data position is ``metrics(opt.opt_state).num_microbatches``. With a ``tx``
+  holding no ``accumulate``, ``step`` counts calls, as in Flax.
 
   Attributes:
     step: ``OptState`` uint32, applied updates since creation.
@@ -88,12 +79,11 @@ class Optimizer(nnx.Optimizer):
       **kwargs: forwarded to ``tx.update`` (``weight``, ``flush``, ``value``, ...).
 
     Returns:
-      None (``nnx.Optimizer.update`` returns the updates; the fused path writes
-      none). The params change in ``model`` at a boundary.
+      None (the fused path writes no updates); ``model`` changes at a boundary.
 
     Raises:
-      TypeError, ValueError: from ``tx.update`` (a bad weight, grads that do not
-        match the params).
+      TypeError, ValueError: from ``tx.update`` (a bad weight, grads not matching the params).
+      ValueError: if ``tx`` contains several ``accumulate`` transformations.
     """
     params, opt_state = _arrays(self, model)
     grads = _as_pure(_state(self, grads, self.wrt))

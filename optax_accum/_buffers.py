@@ -1,14 +1,12 @@
 """XLA buffer placement: helpers that change where values live, never what they are.
 
-Each helper exists because of how XLA compiles a ``jax.jit`` step, and has a
-test that fails if a JAX upgrade changes that behaviour:
+Each helper exists because of how XLA compiles a ``jax.jit`` step; a test fails if a JAX
+upgrade changes that:
 
-* :func:`zeros_like_placed` (``init``): ``jnp.zeros_like`` under ``jit`` is a
-  constant the compiler places on one device; selecting from ``x`` with an
-  all-False mask ties the zeros to ``x``'s sharding (``tests/test_sharding.py``).
-* :func:`distinct_zeros` writes zeros from inside a ``lax.cond``: equal
-  broadcasts would be merged into one buffer, and one buffer in several outputs
-  costs a copy per extra leaf (``tests/test_buffers.py``).
+* :func:`zeros_like_placed` (``init``): ``jnp.zeros_like`` under ``jit`` is a constant on one
+  device; a select from ``x`` ties the zeros to ``x``'s sharding (``tests/test_sharding.py``).
+* :func:`distinct_zeros` (in a ``lax.cond``): equal broadcasts would be merged into one
+  buffer, costing a copy per extra output leaf (``tests/test_buffers.py``).
 * :class:`UpdatesOut` (``Output.UPDATES``, ``tx.update``): the lazy reset. The
   updates are written into the accumulator's buffer and returned from there; the
   next microbatch reads it as zeros because ``mini_step == 0``, so no microstep

@@ -130,12 +130,7 @@ def weight(weight: Any, name: str = "weight") -> jax.Array:
 
 
 def _concrete_weight(arr: np.ndarray, name: str) -> np.ndarray:
-  """A concrete weight as a 0-d array of the weight-sum dtype: never wrapped or overflowed.
-
-  Integers (of any width, signed or not) are converted from their exact value,
-  not through JAX's 32-bit integers, and must be exactly representable in the
-  weight-sum dtype; floats must stay finite in it.
-  """
+  """A concrete weight in the weight-sum dtype, never wrapped (integers from their exact value)."""
   out_dtype = _numerics.scalar_dtype()
   if np.issubdtype(arr.dtype, np.integer):
     exact = int(arr)

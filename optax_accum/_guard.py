@@ -1,9 +1,8 @@
 """Boundary guards: skip a window whose loss or gradient norm spikes (``skip_if=``).
 
-A guard judges the whole window once, at the boundary, from the statistics the
-boundary computes anyway (the global norm of the unscaled mean, the weighted
-mean loss, the weight sum): a per-microbatch guard would judge a fraction of
-the batch. A skipped window changes nothing but ``num_spikes``. docs/guards.md.
+A guard judges the whole window once, at the boundary, from statistics the boundary computes
+anyway (a per-microbatch guard would judge a fraction of the batch). A skipped window changes
+nothing but ``num_spikes``. docs/guards.md.
 """
 
 from __future__ import annotations
@@ -72,12 +71,10 @@ def spike_rule(
 ) -> SpikeRule:
   """Skip a window whose loss or global norm is ``threshold`` std above its recent history.
 
-  The history is the last ``history`` applied windows' statistics (a ring kept
-  in the state: it resumes bitwise). A window is a spike when, after ``warmup``
-  applied windows, a watched statistic exceeds ``mean + threshold * std`` of
-  the history (sample std), or is not finite. The rule of OLMo-core's
-  ``SkipStepOptimizer`` and MaxText's ``skip_step_on_spikes``, judged once per
-  window.
+  A window is a spike when, after ``warmup`` applied windows, a watched statistic exceeds
+  ``mean + threshold * std`` (sample std) of the last ``history`` applied windows (a ring in
+  the state: it resumes bitwise), or is not finite. OLMo-core's ``SkipStepOptimizer`` and
+  MaxText's ``skip_step_on_spikes`` rule, judged once per window.
 
   Args:
     watch: ``'loss'`` (needs ``value=`` on every ``tx.update``), ``'grad_norm'``, or both.

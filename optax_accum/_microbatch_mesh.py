@@ -1,11 +1,9 @@
 """How the in-step batch is cut, where the scan's sums live on a mesh, and the one reduction.
 
-With ``axis_name`` every device keeps its partial sums for all ``K`` microbatches
-and reduces them once after the ``lax.scan``: inside ``jax.shard_map`` by one
-``psum`` (:func:`psum_sums`) of sums taken with device-varying params
-(:func:`to_varying`); under ``jax.jit`` by summing one lane per device
-(:func:`split_lanes`, :func:`carry_zeros`). docs/in_step.md gives the why;
-``tests/test_microbatch.py`` fails if a reduction moves into the loop body.
+With ``axis_name`` every device keeps its partial sums and reduces them once after the
+``lax.scan``: in ``jax.shard_map`` by one ``psum`` (:func:`psum_sums`, device-varying params:
+:func:`to_varying`); under ``jax.jit`` by summing one lane per device (:func:`split_lanes`).
+docs/in_step.md; ``tests/test_microbatch.py`` fails if a reduction moves into the loop.
 """
 
 from __future__ import annotations
@@ -98,13 +96,9 @@ def _contiguous_sharding(x: jax.Array) -> Any:
 def resolve(axis_name: Any, batch: PyTree) -> tuple[str | None, tuple[str, ...], Any]:
   """Which reduction ``axis_name`` asks for: ``(mode, axes, mesh)``.
 
-  ``mode`` is ``None`` (no ``axis_name``), ``'shard_map'`` (every axis is
-  manual: we are inside ``jax.shard_map``) or ``'jit'`` (the axes are Auto or
-  Explicit axes of the current mesh, or of the batch's Explicit sharding).
-
-  Raises:
-    ValueError: an axis is not in the mesh, no mesh is set, or the axes mix
-      manual and non-manual types.
+  ``mode``: ``None`` (no ``axis_name``), ``'shard_map'`` (every axis manual) or ``'jit'``
+  (Auto or Explicit axes of the current mesh or of the batch's Explicit sharding). Raises
+  ValueError for an axis not in the mesh, no mesh, or manual and other axes mixed.
   """
   if axis_name is None:
     return None, (), None

@@ -1,11 +1,8 @@
 """The gradient noise scale ``B_simple`` from a window's own microbatches.
 
-McCandlish et al. 2018 (appendix A): a window's microbatches share the params,
-so the window is ``B_big`` and a microbatch ``B_small``. The only per-microbatch
-quantity is the scalar ``n_k |g_k|^2`` (:func:`add`), from the gradient cast as
-:func:`_numerics.weighted_add` casts it; ``|G_B|^2`` is the boundary's global
-norm. Used by both paths (``noise_scale_decay``, ``noise_scale=True``); the
-estimator and when it is valid: docs/noise_scale.md.
+McCandlish et al. 2018 (appendix A): the window is ``B_big``, a microbatch ``B_small`` (they
+share the params). Per microbatch only the scalar ``n_k |g_k|^2`` (:func:`add`); ``|G_B|^2``
+is the boundary's global norm. Both paths use it; when it is valid: docs/noise_scale.md.
 """
 
 from __future__ import annotations
@@ -68,16 +65,12 @@ class NoiseEstimate(NamedTuple):
   """One window's (or one in-step batch's) unbiased noise estimates; 0-d arrays.
 
   Attributes:
-    trace: ``S_est``, the estimate of ``tr(Sigma)``: the trace of the
-      per-example (or per-token) gradient covariance, in squared gradient units
-      times the unit of ``weight``. Float (the weight-sum dtype).
-    signal: ``G2_est``, the estimate of ``|G|^2``, the squared norm of the true
-      mean gradient (squared gradient units). May be negative by chance when
-      the noise dominates. Float.
-    num_samples: int32, ``K``: the microbatches with a nonzero weight (times
-      the devices under ``axis_name``).
-    valid: bool, whether ``trace`` and ``signal`` are estimates: ``K >= 2``, a
-      positive weight sum and finite values. Both are 0 where it is False.
+    trace: float, ``S_est`` ~ ``tr(Sigma)``, the per-example (or per-token) gradient
+      covariance's trace (squared gradient units times ``weight`` units).
+    signal: float, ``G2_est`` ~ ``|G|^2`` of the true mean gradient; may be negative by
+      chance when the noise dominates.
+    num_samples: int32, ``K``: nonzero-weight microbatches (times the devices).
+    valid: bool, ``K >= 2``, a positive weight sum and finite values (else both are 0).
   """
 
   trace: jax.Array

@@ -19,9 +19,7 @@ PyTree = Any
 
 
 class Window(NamedTuple):
-  """The open window's sums: what a boundary reduces (one ``psum``) and resets.
-
-  Under ``accumulate(..., axis_name=...)`` each device holds its own share.
+  """The open window's sums: what a boundary reduces (one ``psum``) and resets; per device.
 
   Attributes:
     grad_sum: the accumulator, a tree like the params in the accumulator dtype (float32 by
@@ -31,10 +29,8 @@ class Window(NamedTuple):
     weight_sum: float32 (float64 under x64), ``sum_i w_i``.
     value_sum: ``sum_i w_i * value_i`` of the ``value`` extra args passed.
     value_weight: the weight sum of the microbatches that passed ``value``.
-    weight_parts: with ``window_weight``, the window's weight in exact 12-bit
-      parts (float ``[7]``; ``_weight_count.add_parts``), else ``EmptyState``.
-    noise: with ``noise_scale_decay``, ``(sum_i w_i |g_i|^2, samples)`` (two
-      floats; ``_noise_scale.add``), else ``EmptyState``.
+    weight_parts: with ``window_weight``, the weight in exact 12-bit parts (float ``[7]``).
+    noise: with ``noise_scale_decay``, ``(sum_i w_i |g_i|^2, samples)`` (two floats).
   """
 
   grad_sum: PyTree
@@ -64,14 +60,9 @@ class AccumulationState(NamedTuple):
     has_grad_norm: bool, whether ``grad_norm`` is the last closed (non-empty) window's.
     every_k: int32, the fixed window length the state was made for; 0 for a schedule or
       ``window_weight`` alone. Checked on every concrete call.
-    loss_scale: a ``LossScaleState`` (``scale``, ``growth_streak``,
-      ``dynamic``) with ``loss_scale=...``, else ``optax.EmptyState()``.
-    token_budget: a ``TokenBudgetState`` (``weight_seen``, ``window_weight``:
-      exact ``WeightCount`` totals) with ``window_weight=...``, else empty.
-    noise_scale: a ``NoiseScaleState`` (the EMAs of the noise estimates) with
-      ``noise_scale_decay=...``, else empty.
-    guard: a ``GuardState`` (``num_spikes``, each spike rule's history) with
-      ``skip_if=...``, else empty.
+    loss_scale, token_budget, noise_scale, guard: the sub-states of ``loss_scale=``,
+      ``window_weight=``, ``noise_scale_decay=`` and ``skip_if=`` (``LossScaleState``,
+      ``TokenBudgetState``, ``NoiseScaleState``, ``GuardState``); ``EmptyState()`` when off.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:

@@ -31,12 +31,9 @@ PyTree = Any
 def run(config, output, compiled, grads, state, params, extra):
   """:func:`step`, or, for an eager call, its program compiled once per configuration.
 
-  Under a trace (``jit``, ``vmap``, ``shard_map``, ``lax.scan``) this is
-  :func:`step` itself. Called eagerly with arrays and numbers, the checks of
-  concrete values (the state's fingerprint, the weight's value) run here and
-  the step runs as ``compiled[output]``, a ``jax.jit`` of :func:`step` made by
-  ``accumulate`` (cached per tree structure, shapes and dtypes), instead of
-  tracing and compiling both ``lax.cond`` branches on every call.
+  Under a trace this is :func:`step`. Eagerly, the checks of concrete values (the state's
+  fingerprint, the weight) run here and the step runs as ``compiled[output]``, ``accumulate``'s
+  cached ``jax.jit`` of :func:`step`, instead of tracing both ``lax.cond`` branches each call.
   """
   if not _concrete((grads, state, params, extra)):
     return step(config, output, grads, state, params, **extra)
@@ -132,10 +129,8 @@ def add_microbatch(config, state, grads, w, value) -> st.Window:
 def close(config, place, dtypes, header, window, operands, params, value, extra):
   """The boundary: one finite check, then apply (inner once), skip or nothing (empty).
 
-  Returns:
-    ``(output, grad_sum, inner_state, header)``: the header is the state's
-    scalars and feature sub-states after the window (``window`` and
-    ``inner_state`` left None).
+  Returns ``(output, grad_sum, inner_state, header)``, the header being the state's scalars
+  and sub-states after the window (``window`` and ``inner_state`` None).
   """
   grad_sum, inner_state = operands
   sums = window._replace(grad_sum=grad_sum)
@@ -215,11 +210,9 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
 def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
   """The inner optimizer once, its updates cast like plain ``inner``'s; ``ok`` if they are finite.
 
-  ``ok`` is None where nothing was checked.
-
-  With a 16-bit dtype involved (``_numerics.updates_finite``), a non-finite update
-  or state skips the window: selected leafwise (XLA fuses the select into the inner
-  optimizer's passes; a nested cond would copy the inner state).
+  ``ok`` is None where nothing was checked. With a 16-bit dtype (``_numerics.updates_finite``),
+  a non-finite update or state skips the window: selected leafwise (XLA fuses the select into
+  the inner optimizer's passes; a nested cond would copy the inner state).
   """
   updates, new_inner = config.inner.update(mean, inner_state, params, **inner_args)
   updates = optax.tree.cast_like(updates, dtypes.updates)

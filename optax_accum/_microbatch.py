@@ -42,15 +42,9 @@ class _Config(NamedTuple):
 
 
 class _Sums(NamedTuple):
-  """The scan's carried sums: all that crosses devices, in the one reduction after the scan.
-
-  Attributes:
-    grads: ``sum_k w_k g_k`` (of the scaled loss), in the accumulator dtype.
-    weight: ``sum_k w_k``.
-    loss: ``sum_k w_k loss_k``.
-    aux: ``sum_k w_k aux_k`` (``aux_mode='mean'``), else None.
-    noise: ``_noise_scale.add``'s sums with ``noise_scale=True``, else ``()``.
-  """
+  """The scan's carried sums, all that crosses devices (in one reduction after the scan):
+  ``sum_k w_k x_k`` of the (scaled) ``grads`` in the accumulator dtype, ``weight``, ``loss``,
+  ``aux`` (``aux_mode='mean'``, else None) and ``noise`` (``noise_scale=True``, else ``()``)."""
 
   grads: PyTree
   weight: jax.Array

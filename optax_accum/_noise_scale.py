@@ -154,10 +154,9 @@ def ema_update(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The bias-corrected EMAs after one window: ``(trace_ema, signal_ema, weight)``.
 
-  ``x_ema = decay * x_ema + (1 - decay) * x`` for ``S_est`` and ``G2_est``, and
-  the bias-correction weight ``w = decay * w + (1 - decay)`` (``1 - decay**t``
-  after ``t`` windows, Adam's correction): the estimates are ``x_ema / w``.
-  Unchanged unless ``est.valid & ok`` (a skipped or empty window, ``K < 2``).
+  ``x_ema = decay * x_ema + (1 - decay) * x`` for ``S_est`` and ``G2_est``, and the weight
+  ``w = decay * w + (1 - decay)`` (``1 - decay**t``, Adam's bias correction): the estimates
+  are ``x_ema / w``. Unchanged unless ``est.valid & ok`` (not skipped, empty or ``K < 2``).
 
   Examples:
     >>> est = NoiseEstimate(jnp.float32(3), jnp.float32(5.5), jnp.int32(2), jnp.bool_(True))
@@ -182,9 +181,8 @@ def read(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(B_simple, EMA(S_est), EMA(G2_est))``, bias corrected, from the state's EMA fields.
 
-  All 0 before the first window with ``K >= 2`` closes (``weight == 0``).
-  ``B_simple = trace / signal`` where ``signal > 0``, else 0 (a non-positive
-  signal estimate: the noise dominates and ``B_simple`` is not defined).
+  All 0 before the first window with ``K >= 2`` closes (``weight == 0``). ``B_simple = trace /
+  signal`` where ``signal > 0``, else 0 (the noise dominates: ``B_simple`` is not defined).
 
   Examples:
     >>> [float(x) for x in read(jnp.float32(0.3), jnp.float32(0.6), jnp.float32(0.1))]

@@ -111,13 +111,8 @@ def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
 def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   """The state's ``in_specs``/``out_specs`` for ``jax.shard_map``: ``P(axis_name)`` for windows.
 
-  Args:
-    opt_state: the optimizer state (or its ``jax.eval_shape``).
-    axis_name: the mesh axis (or axes) of ``accumulate(..., axis_name=...)``.
-
-  Returns:
-    A tree of ``PartitionSpec`` like ``opt_state``: every leaf of each
-    ``state.window`` per device (its leading axis), the rest ``P()``.
+  ``opt_state`` may be a ``jax.eval_shape``; ``axis_name`` is ``accumulate``'s. Returns a tree
+  of ``PartitionSpec`` like ``opt_state``: each ``state.window`` leaf per device, the rest ``P()``.
 
   Examples:
     >>> import optax, optax_accum
@@ -189,7 +184,7 @@ def local_state(opt_state: PyTree) -> PyTree:
     opt_state: the body's block of a :func:`stack_windows` state (sums ``[1, *shape]``).
 
   Returns:
-    The same tree with the window sums ``[*shape]``; other leaves unchanged.
+    The same tree with the window sums ``[*shape]``.
 
   Raises:
     ValueError: if the window sums have no device axis.

@@ -229,15 +229,9 @@ def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
 
 
 class Dtypes(NamedTuple):
-  """The window's dtypes (trace time, nothing computed).
-
-  Attributes:
-    mean: per leaf, the dtype the mean is handed to ``inner`` in (``_numerics.mean_dtypes``).
-    updates: what plain ``inner.update`` returns for these grads (``eval_shape``).
-    out: what this call returns: the params (``Output.PARAMS``), or arrays like the
-      updates, built from the params (their sharding and device variance; the cast is
-      dead code XLA drops).
-  """
+  """The window's dtypes (trace time): the ``mean`` handed to ``inner``, the ``updates`` plain
+  ``inner.update`` returns, and the ``out`` of this call: the params (``Output.PARAMS``), or
+  arrays like the updates built from the params (their sharding and device variance)."""
 
   mean: PyTree
   updates: PyTree

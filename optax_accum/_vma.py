@@ -1,9 +1,7 @@
 """Device variance under ``shard_map(check_vma=True)``: what varies, and making types agree.
 
-Per-device window sums (varying) sit next to a replicated state, and the
-boundary's ``lax.cond`` branches must have equal types. These helpers make that
-hold by construction with type changes only (``jax.lax.pcast`` moves no data),
-so a state made by ``tx.init`` inside ``shard_map`` works without a recipe.
+Per-device window sums sit next to a replicated state, and ``lax.cond`` branches must have
+equal types: these helpers make that hold with type changes only (``pcast`` moves no data).
 """
 
 from __future__ import annotations
@@ -72,12 +70,9 @@ def per_device_window(
 def agree(branches: tuple, operands: PyTree, inputs: PyTree) -> tuple:
   """``lax.cond`` branches made to agree on device variance, leaf by leaf.
 
-  A branch's outputs vary when they depend on per-device data (the window's
-  sums, a varying weight) and do not when they come from the all-reduce or the
-  replicated state. Each output leaf of each branch is ``pcast`` to varying over
-  the union of the two branches' axes for that leaf. ``inputs``: what else the branches
-  close over that may vary; when nothing varies (outside ``shard_map``) the branches are
-  returned as they are, without tracing them again.
+  Each output leaf is ``pcast`` to vary over the union of both branches' axes for it.
+  ``inputs``: what else the branches close over that may vary; when nothing varies (outside
+  ``shard_map``) the branches are returned as they are, without tracing them again.
   """
   if not any(varying(x) for x in jax.tree.leaves((inputs, operands))):
     return branches
@@ -98,9 +93,8 @@ def agree(branches: tuple, operands: PyTree, inputs: PyTree) -> tuple:
 def check_replicated(params: PyTree, axis_name: str | tuple[str, ...] | None) -> None:
   """Raises if ``params`` vary over ``axis_name`` inside ``shard_map`` (check_vma=True).
 
-  Under ``axis_name`` every device applies the same window mean to the same
-  params; device-varying params (a ``pcast`` copy) would give device-varying
-  updates and inner state that cannot be returned replicated.
+  Device-varying params (a ``pcast`` copy) would give varying updates and inner state that
+  cannot be returned replicated.
   """
   if axis_name is None or params is None:
     return

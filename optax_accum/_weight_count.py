@@ -24,20 +24,14 @@ _U32_MAX = int(np.iinfo(np.uint32).max)
 class WeightCount(NamedTuple):
   """An exact, non-negative weight total: ``high * 2**32 + low + frac``.
 
-  A float32 counter stops counting single tokens at 2**24 (16.8M) and an int32
-  one wraps at 2**31; a training run consumes 1e12 tokens and more. The whole
-  part is carried in two uint32 words (exact up to 2**64 - 1, where it
-  saturates), the fractional part in a float in [0, 1); a pytree of three 0-d arrays.
-  Outside ``jit``, ``int(count)`` is the whole part exactly and ``float(count)`` is exact up
-  to 2**53; under ``jit``, :meth:`approx` gives a rounded float array.
-
-  Exact for every whole weight, in windows of any size (all-reduced exactly under
-  ``axis_name`` for up to 4096 devices); fractional parts are carried in float32 (float64
-  under x64): within about 2**-24 per microbatch of the fraction, never of the magnitude.
+  A float32 counter stops counting tokens at 2**24 and an int32 one wraps at 2**31; runs see
+  1e12 tokens. Exact for every whole weight in windows of any size (all-reduced exactly for
+  up to 4096 devices); saturates at 2**64 - 1. Fractions are carried in float32: within about
+  2**-24 per microbatch of the fraction. Outside ``jit`` ``int(count)`` is exact and
+  ``float(count)`` exact up to 2**53; under ``jit``, :meth:`approx` rounds to a float array.
 
   Attributes:
-    high: uint32, the whole part's multiples of 2**32.
-    low: uint32, the whole part modulo 2**32.
+    high, low: uint32, the whole part's multiples of 2**32 and its remainder.
     frac: float32 (float64 under x64), the fractional part, in [0, 1).
 
   Examples:

@@ -86,11 +86,7 @@ def parse_bytes(value: int | str) -> int:
   Units (case-insensitive, IEC 80000-13): ``B``, ``kB MB GB TB`` (1000**n), ``KiB MiB GiB TiB``
   (1024**n); none means bytes.
 
-  Args:
-    value: a positive int, or a number with an optional unit.
-
-  Returns:
-    The size in bytes, an int >= 1 (rounded down).
+  Returns the size in bytes, an int >= 1 (rounded down).
 
   Raises:
     TypeError: if ``value`` is neither an int nor a str.
@@ -121,11 +117,8 @@ def parse_bytes(value: int | str) -> int:
 def default_budget(device: Any = None) -> int:
   """The device's ``bytes_limit`` (``memory_stats()``) less :data:`SAFETY_MARGIN`.
 
-  Args:
-    device: a ``jax.Device``; default ``jax.devices()[0]``.
-
-  Returns:
-    ``floor(bytes_limit * (1 - SAFETY_MARGIN))`` bytes.
+  ``device`` defaults to ``jax.devices()[0]``; the result is
+  ``floor(bytes_limit * (1 - SAFETY_MARGIN))`` bytes.
 
   Raises:
     ValueError: where the backend reports no ``bytes_limit`` (CPU); pass ``memory_budget=``.
@@ -150,12 +143,8 @@ def compiled_peak_bytes(step_fn: Callable[..., Any], *args: Any) -> int:
   From ``jax.jit(step_fn).lower(*args).compile().memory_analysis()``, keeping a jitted step's
   shardings and donation (aliased: outputs in donated buffers); per device if sharded. Nothing runs.
 
-  Args:
-    step_fn: the step, a function or a ``jax.jit`` function.
-    *args: its arguments; ``jax.ShapeDtypeStruct`` leaves are enough.
-
-  Returns:
-    Bytes, an int.
+  ``step_fn``: a function or a ``jax.jit`` function; ``args``: ``jax.ShapeDtypeStruct`` leaves
+  are enough. Returns the bytes, an int.
 
   Raises:
     ValueError: if the backend gives no memory analysis.

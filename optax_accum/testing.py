@@ -62,15 +62,7 @@ class Difference(NamedTuple):
   scale: float
 
   def ok(self, rtol: float, atol: float) -> bool:
-    """``max_abs <= atol + rtol * scale`` (``numpy.allclose`` with one global scale).
-
-    Args:
-      rtol: relative tolerance, against ``scale``.
-      atol: absolute tolerance, in the units of the compared quantity.
-
-    Returns:
-      A Python bool.
-    """
+    """``max_abs <= atol + rtol * scale`` (``numpy.allclose`` with one global scale), a bool."""
     return bool(self.max_abs <= atol + rtol * self.scale)
 
 
@@ -122,15 +114,8 @@ class EquivalenceReport(NamedTuple):
   batch_dependent_layers: tuple[str, ...]
 
   def passed(self, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-    """Whether every row but ``mean_of_means`` is within tolerance and one update was applied.
-
-    Args:
-      rtol: relative tolerance, against each reference's largest magnitude (:meth:`Difference.ok`).
-      atol: absolute tolerance. The float32 defaults allow rounding only.
-
-    Returns:
-      A Python bool.
-    """
+    """Whether every row but ``mean_of_means`` is within :meth:`Difference.ok` and one update
+    was applied (the float32 default tolerances allow rounding only), a bool."""
     rows = (self.loss, self.grad_in_step, self.sgd_across_step)
     rows += (self.update_in_step, self.update_across_step)
     return self.num_updates == 1 and all(d.ok(rtol, atol) for d in rows)

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from optax_accum.__main__ import main
+from optax_accum.demo import console
 from optax_accum.demo import train as demo
 from optax_accum.demo.data import stdlib_lines
 from optax_accum.demo.model import token_loss
@@ -172,7 +173,7 @@ def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress
 ):
   import io
 
-  monkeypatch.setattr(demo, "LONG_RUN_SECONDS", 0.0)  # any run is "long": the warning shows
+  monkeypatch.setattr(console, "LONG_RUN_SECONDS", 0.0)  # any run is "long": the warning shows
   monkeypatch.setattr(demo, "TIMING_SECONDS", 0.0)  # estimate at the first window's end
   cfg = demo.DemoConfig(
     microbatch_size=4,

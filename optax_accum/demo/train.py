@@ -30,10 +30,10 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
 
 import optax_accum
 import optax_accum.flax
+from optax_accum.demo import console
 from optax_accum.demo.model import CharTransformer, token_loss
 from optax_accum.demo.setup import (  # noqa: F401 - re-exported for `train.QUICK` etc.
   QUICK,
@@ -156,53 +156,11 @@ def _evaluate(loss_sum_and_tokens: Any, state: Any, batches: list[Batch]) -> flo
   return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
 
 
-def _write(out: TextIO | None, text: str = "") -> None:
-  if out is not None:
-    print(text, file=out, flush=True)
-
-
-def _is_tty(stream: Any) -> bool:
-  return bool(getattr(stream, "isatty", lambda: False)())
-
-
-def _duration(seconds: float) -> str:
-  if seconds < 120:
-    return f"{seconds:.0f} s"
-  return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
-def _since(mark: tuple[float, int]) -> float:
-  return time.perf_counter() - mark[0]
-
-
-def _estimate(
-  out: TextIO | None, elapsed: float, mark: tuple[float, int], done: int, planned: int
-) -> None:
-  """Prints the estimated training time from ``done - mark[1]`` microbatches timed since mark."""
-  per_microbatch = _since(mark) / (done - mark[1])
-  estimate = elapsed + per_microbatch * (planned - done)
-  _write(
-    out,
-    f"timing: {done - mark[1]} microbatches in {_since(mark):.1f} s; estimated training time "
-    f"{_duration(estimate)} for {planned:,} microbatches",
-  )
-  if estimate > LONG_RUN_SECONDS:
-    _write(
-      out,
-      f"warning: a long run (about {_duration(estimate)}); Ctrl-C stops it, --quick or "
-      "smaller --updates / --every-k make it shorter",
-    )
-
-
 # The run-time estimate times at least TIMING_SECONDS (to a window's end), at most
 # TIMING_MAX_SECONDS.
 TIMING_SECONDS, TIMING_MAX_SECONDS = 1.0, 10.0
-# A run estimated to take longer than this gets a warning line.
-LONG_RUN_SECONDS = 30 * 60
 # The EMA decay of the gradient noise scale (per window; about the last 20 windows count).
 NOISE_SCALE_DECAY = 0.95
-# Without a terminal, progress is a plain line about this often (in updates: a tenth of the run).
-PROGRESS_LINES = 10
 
 
 def train(
@@ -257,7 +215,7 @@ def train(
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
-  _write_header(out, config, num_params, len(train_lines) + len(eval_lines))
+  console.header(out, config, num_params, len(train_lines) + len(eval_lines))
   report = _report_preflight(out, model, epoch[: config.every_k], inner) if check else None
 
   graphdef, state = nnx.split((model, optimizer))
@@ -268,7 +226,7 @@ def train(
     planned = planned_microbatches(config, len(epoch))
   else:
     planned = planned_by_tokens(config, train_lines)
-  _write(
+  console.write(
     out,
     f"\nTraining: {config.updates} updates = {planned:,} microbatches "
     f"({planned / len(epoch):.1f} epochs of {len(epoch):,}); held-out loss before: "
@@ -293,29 +251,8 @@ def train(
     tokens_per_second=run.tokens / run.train_seconds,
     model=model,
   )
-  _write_summary(out, result, config, run.full_windows, t_start)
+  console.summary(out, result, config, run.full_windows, t_start)
   return result
-
-
-def _write_header(out: TextIO | None, config: DemoConfig, num_params: int, num_lines: int) -> None:
-  _write(
-    out,
-    f"optax_accum demo: a byte-level transformer ({num_params:,} params: dim {config.dim}, "
-    f"depth {config.depth}, {config.heads} heads) on {num_lines:,} "
-    f"lines of Python's standard library ({config.max_files} files), jax {jax.__version__} "
-    f"on {jax.default_backend()}",
-  )
-  budget = config.tokens_per_update
-  window = f"every_k={config.every_k} microbatches"
-  if budget is not None:
-    window = f"the first microbatch reaching --tokens-per-update {budget} real bytes closes it"
-  _write(
-    out,
-    f"window: {window}, {config.microbatch_size} lines of <= {config.seq_len} bytes per "
-    f"microbatch, weight = real bytes per microbatch; inner: adamw("
-    f"{config.learning_rate:g}, weight_decay={config.weight_decay:g}), warmup-cosine over "
-    f"{config.updates} updates",
-  )
 
 
 def _report_preflight(
@@ -323,13 +260,15 @@ def _report_preflight(
 ) -> EquivalenceReport:
   """Runs :func:`preflight` on the first window and prints its report."""
   report = preflight(model, window, inner)
-  _write(out, "\nPre-flight: the first window of real text, accumulated vs one physical batch")
-  _write(out, str(report))
+  console.write(
+    out, "\nPre-flight: the first window of real text, accumulated vs one physical batch"
+  )
+  console.write(out, str(report))
   acc_diff = accumulated_difference(report)
   mom = report.mean_of_means.max_rel
   ratio = f" ({mom / acc_diff:,.0f}x larger)" if acc_diff > 0 else ""
-  _write(out, f"pre-flight: accumulated vs physical batch max rel diff = {acc_diff:.2e}")
-  _write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
+  console.write(out, f"pre-flight: accumulated vs physical batch max rel diff = {acc_diff:.2e}")
+  console.write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
   if report.update_across_step.max_rel > 100 * max(acc_diff, 1e-7):
     note = (
       "(The AdamW rows differ more: Adam's first step g / (|g| + eps) is steep where |g| "
@@ -337,7 +276,7 @@ def _report_preflight(
       "rounding (1e-10 or so) moves their steps by about rounding / eps, a percent or two "
       "of the learning rate. Compare gradients, as above.)"
     )
-    _write(out, textwrap.fill(note, width=100))
+    console.write(out, textwrap.fill(note, width=100))
   return report
 
 
@@ -353,48 +292,12 @@ class _Run(NamedTuple):
   train_seconds: float
 
 
-class _Progress:
-  """The tqdm bar (when stdout and stderr are terminals), else a plain line per tenth of the run."""
-
-  def __init__(self, out: TextIO | None, config: DemoConfig, progress: bool):
-    self.out, self.config = out, config
-    use_bar = progress and _is_tty(sys.stderr) and _is_tty(sys.stdout)
-    self.lines_every = max(1, config.updates // PROGRESS_LINES) if progress and not use_bar else 0
-    self.bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
-    self.t0 = self.last_postfix = time.perf_counter()
-
-  def closed(self, m: Any, before: int, after: int, tokens: int, window_tokens: int) -> None:
-    """A window closed: ``num_updates`` went from ``before`` to ``after``."""
-    self.bar.update(after - before)
-    if self.lines_every and after // self.lines_every > before // self.lines_every:
-      elapsed = time.perf_counter() - self.t0
-      _write(
-        self.out,
-        f"update {after}/{self.config.updates}: loss {float(m.window_loss):.3f}, "
-        f"{window_tokens} tokens in this update, {tokens / elapsed:,.0f} tokens/s, "
-        f"{_duration(elapsed)} elapsed, B_simple {float(m.noise_scale):,.0f} tokens",
-      )
-    if time.perf_counter() - self.last_postfix > 0.5:
-      self.last_postfix = time.perf_counter()
-      rate = tokens / (self.last_postfix - self.t0)
-      self.bar.set_postfix(
-        loss=f"{float(m.window_loss):.3f}",
-        tok_s=f"{rate:,.0f}",
-        b_noise=f"{float(m.noise_scale):,.0f}",
-        refresh=False,
-      )
-
-  def close(self, m: Any, tokens: int, seconds: float) -> None:
-    self.bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{tokens / seconds:,.0f}")
-    self.bar.close()
-
-
 def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
   """Trains until ``config.updates`` windows are applied, reshuffling the lines each epoch."""
   epoch_rng = np.random.default_rng(config.seed + 1)
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
   budget = config.tokens_per_update
-  shown = _Progress(out, config, progress)
+  shown = console.Progress(out, config, progress)
   window_losses, window_weights, full_windows, tokens, flushed, num_updates = [], [], [], 0, 0, 0
   pending = pending_tokens = 0  # the open window's microbatches and tokens (a host mirror)
   done, mark = 0, None  # microbatches run; (time, done) when the timing started
@@ -414,10 +317,10 @@ def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
         jax.block_until_ready(m.num_updates)
         mark = (time.perf_counter(), done)
       elif mark and (
-        closes and _since(mark) >= TIMING_SECONDS or _since(mark) > TIMING_MAX_SECONDS
+        closes and console.since(mark) >= TIMING_SECONDS or console.since(mark) > TIMING_MAX_SECONDS
       ):
         jax.block_until_ready(m.num_updates)
-        _estimate(out, time.perf_counter() - shown.t0, mark, done, planned)
+        console.estimate(out, time.perf_counter() - shown.t0, mark, done, planned)
         mark = False
       if not closes:
         continue
@@ -438,38 +341,3 @@ def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
   train_seconds = time.perf_counter() - shown.t0
   shown.close(m, tokens, train_seconds)
   return _Run(state, window_losses, window_weights, full_windows, tokens, flushed, train_seconds)
-
-
-def _write_summary(
-  out: TextIO | None, r: TrainResult, config: DemoConfig, full_windows: list[bool], t_start: float
-) -> None:
-  losses, window_tokens, final, flushed = r.losses, r.window_tokens, r.metrics, r.flushed_windows
-  budget, tokens = config.tokens_per_update, r.tokens
-  tail = min(20, len(losses))
-  _write(
-    out,
-    f"training loss: {losses[0]:.4f} (update 1) -> {losses[-tail:].mean():.4f} "
-    f"(mean of the last {tail} updates)",
-  )
-  _write(out, f"held-out loss: {r.eval_before:.4f} -> {r.eval_after:.4f} nats/byte")
-  full = window_tokens[np.asarray(full_windows[: len(window_tokens)], bool)]
-  _write(
-    out,
-    f"tokens per update: min {window_tokens.min()}, mean {window_tokens.mean():.0f}, max "
-    f"{window_tokens.max()}, std {window_tokens.std():.0f} ("
-    + ("every_k windows" if budget is None else f"budget {budget}")
-    + (f"; without the {flushed} flushed: std {full.std():.0f})" if flushed and full.size else ")"),
-  )
-  _write(
-    out,
-    f"metrics: num_updates={final['num_updates']} num_skipped={final['num_skipped']} "
-    f"num_microbatches={final['num_microbatches']} flushed_windows={flushed} "
-    f"tokens={tokens:,} ({tokens / r.train_seconds:,.0f} tokens/s); "
-    f"total {time.perf_counter() - t_start:.1f} s",
-  )
-  _write(
-    out,
-    f"critical batch (gradient noise scale B_simple, EMA over windows): "
-    f"{final['noise_scale']:,.0f} tokens; effective batch: "
-    f"{tokens / max(final['num_updates'], 1):,.0f} tokens per update (docs/noise_scale.md)",
-  )

@@ -297,7 +297,10 @@ def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...]) -> _
 
   def grads_of(mb, k, state):  # state is None: has_state is refused here
     lane_ids = _mesh.lane_indices(lanes, mesh, axes)
-    return per_lane(lambda m, d: one(m, k, None, d))(mb, lane_ids)
+    loss, aux, _, g, w = per_lane(lambda m, d: one(m, k, None, d))(mb, lane_ids)
+    # A weight that does not depend on the data (the default, rows) comes out of vmap
+    # unsharded; the lane dimension of every sum is sharded over `axes`.
+    return loss, aux, None, g, _mesh.constrain(w, mesh, axes, 0)
 
   return _Mode(
     grads_of=grads_of,

@@ -212,12 +212,13 @@ def carry_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...], lanes
   """Zeros like ``struct`` (from ``jax.eval_shape``) in ``dtype``: lane dimension 0 sharded over
   ``axes``, device-varying where ``struct`` is (``lax.scan`` needs equal carry types)."""
   sharding = getattr(struct, "sharding", None)
-  if not lanes:
-    x = jnp.zeros(struct.shape, dtype)
-  elif _explicit(mesh, axes) and isinstance(sharding, NamedSharding):
+  typed = isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
+  if typed and (not lanes or _explicit(mesh, axes)):  # the carry's type holds its sharding
     x = jnp.zeros(struct.shape, dtype, out_sharding=sharding)
-  else:
+  elif lanes:
     x = constrain(jnp.zeros(struct.shape, dtype), mesh, axes, 0)
+  else:
+    x = jnp.zeros(struct.shape, dtype)
   varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
   if varying is None:  # JAX < 0.9: the type's `vma`
     varying = getattr(struct, "vma", None)

@@ -167,6 +167,26 @@ def _names(entry: Any) -> set[str]:
   return {entry} if isinstance(entry, str) else set(entry)
 
 
+def merge_batch(stacked: PyTree, strided: bool) -> PyTree:
+  """The inverse of :func:`split_batch`: ``[K, B/K, ...]`` leaves back to ``[B, ...]``."""
+
+  def merge(x):
+    x = jnp.swapaxes(x, 0, 1) if strided else x
+    return x.reshape((-1,) + x.shape[2:])
+
+  return jax.tree.map(merge, stacked)
+
+
+def merge_lanes(stacked: PyTree, strided: bool) -> PyTree:
+  """The inverse of :func:`split_lanes`: ``[K, D, B/(K*D), ...]`` leaves back to ``[B, ...]``."""
+
+  def merge(x):
+    x = jnp.moveaxis(x, 0, 2) if strided else x  # strided: [D, m, K, ...], each lane's block
+    return x.reshape((-1,) + x.shape[3:])
+
+  return jax.tree.map(merge, stacked)
+
+
 def split_lanes(
   batch: PyTree, k: int, lanes: int, mesh: Any, axes: tuple[str, ...], strided: bool
 ) -> PyTree:

@@ -267,3 +267,33 @@ def test_check_equivalence_on_the_tutorial_mesh_with_aux():
   assert report.num_updates == 1
   # Computed another way: the mean of the microbatch means differs from the batch's gradient.
   assert report.mean_of_means.max_rel > 1e-3
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+def test_jit_axis_name_aux_sum_and_concat_over_lanes(axis_type):
+  """Over 8 lanes: 'sum' is the batch's sum (one reduction with the gradient), 'concat' the
+  batch's per-example values in its row order."""
+  params, batch = mesh_data()
+
+  def loss_aux(p, b):
+    pred = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] + p["b"]
+    return mlp_loss(p, b), {"pred": pred, "tokens": b["mask"].sum(), "rows": b["x"].shape[0]}
+
+  (_, ref), _ = jax.value_and_grad(loss_aux, has_aux=True)(params, batch)
+  mesh, p_mesh, b_mesh = place_on_mesh(axis_type, "replicated", params, batch)
+  make = lambda mode, loss_fn: optax_accum.microbatched_value_and_grad(
+    loss_fn, 2, weight_fn=tokens, has_aux=True, aux_mode=mode, axis_name="data"
+  )
+  sums_only = lambda p, b: (
+    loss_aux(p, b)[0],
+    {k: loss_aux(p, b)[1][k] for k in ("tokens", "rows")},
+  )  # noqa: E501
+  pred_only = lambda p, b: (loss_aux(p, b)[0], loss_aux(p, b)[1]["pred"])
+  with _compat.set_mesh(mesh):
+    compiled = jax.jit(make("sum", sums_only)).lower(p_mesh, b_mesh).compile()
+    (_, sums), _ = compiled(p_mesh, b_mesh)
+    (_, pred), _ = jax.jit(make("concat", pred_only))(p_mesh, b_mesh)
+  assert reductions(testing.count_collectives(compiled.as_text()), "in_loop") == 0
+  assert int(sums["rows"]) == ref["rows"] == 64
+  np.testing.assert_array_equal(sums["tokens"], ref["tokens"])
+  np.testing.assert_allclose(pred, ref["pred"], rtol=1e-6, atol=1e-6)

@@ -6,7 +6,6 @@ loss that is not a mean, a wrong ``weight`` and BatchNorm. Flax is imported only
 
 from __future__ import annotations
 
-import inspect
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -196,11 +195,10 @@ def _functional(loss_fn: Callable, params: Any) -> tuple[Callable, PyTree]:
     from flax import nnx
 
     if isinstance(params, nnx.Module):
+      from optax_accum.flax._in_step import merge_fresh
+
       graphdef, p, rest = nnx.split(params, nnx.Param, ...)
-      # copy=True: fresh Variables, so BatchNorm's in-place update inside jax.grad does not
-      # raise TraceContextError (Flax >= 0.12; older Flax has no `copy` and always copies).
-      fresh = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameters else {}
-      return (lambda q, b: loss_fn(nnx.merge(graphdef, q, rest, **fresh), b)), p
+      return (lambda q, b: loss_fn(merge_fresh(graphdef, q, rest), b)), p
   return loss_fn, params
 
 

@@ -195,10 +195,10 @@ def _functional(loss_fn: Callable, params: Any) -> tuple[Callable, PyTree]:
     from flax import nnx
 
     if isinstance(params, nnx.Module):
-      from optax_accum.flax._in_step import merge_fresh
+      from optax_accum.flax._in_step import as_pure, merge_fresh
 
       graphdef, p, rest = nnx.split(params, nnx.Param, ...)
-      return (lambda q, b: loss_fn(merge_fresh(graphdef, q, rest), b)), p
+      return (lambda q, b: loss_fn(merge_fresh(graphdef, q, rest), b)), as_pure(p)
   return loss_fn, params
 
 

@@ -23,6 +23,10 @@ from optax_accum import _microbatch
 _FRESH = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameters else {}
 
 
+# `nnx.as_pure` exists since Flax 0.12.7; `nnx.pure` before it.
+as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
+
 def merge_fresh(graphdef: Any, *states: Any) -> Any:
   """``nnx.merge(graphdef, *states)`` with fresh Variables (safe inside ``jax.grad``)."""
   return nnx.merge(graphdef, *states, **_FRESH)

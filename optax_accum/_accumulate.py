@@ -305,6 +305,7 @@ def _window_length(k: Any) -> jax.Array:
 
 def init(config: Config, params: PyTree) -> AccumulationState:
   """A fresh state: an empty window, zero counters, each feature's sub-state or ``EmptyState``."""
+  pitfalls.check_params(params)
   fdt = _numerics.scalar_dtype()
   # A fresh buffer per field: donating a state whose leaves share a buffer
   # fails ("Attempt to donate the same buffer twice").

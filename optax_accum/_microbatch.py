@@ -22,7 +22,7 @@ from optax_accum._microbatch_mesh import split_batch
 
 PyTree = Any
 
-_AUX_MODES = ("mean", "stack")
+_AUX_MODES = ("mean", "sum", "concat", "stack")
 
 
 class _Config(NamedTuple):
@@ -44,7 +44,7 @@ class _Config(NamedTuple):
 class _Sums(NamedTuple):
   """The scan's carried sums, all that crosses devices (in one reduction after the scan):
   ``sum_k w_k x_k`` of the (scaled) ``grads`` in the accumulator dtype, ``weight``, ``loss``,
-  ``aux`` (``aux_mode='mean'``, else None) and ``noise`` (``noise_scale=True``, else ``()``)."""
+  ``aux`` (``aux_mode`` 'mean'/'sum', else None), ``noise`` (``noise_scale``, else ``()``)."""
 
   grads: PyTree
   weight: jax.Array
@@ -63,6 +63,8 @@ class _Mode(NamedTuple):
   reduce: Callable  # the one reduction of the _Sums over devices, after the scan
   place: Callable  # grads -> grads placed like the params
   stack: Callable  # (aux, weights) stacked per microbatch -> the aux_mode='stack' aux
+  concat: Callable  # per-example aux stacked per microbatch -> [B, ...] in the batch's order
+  lead: int  # leading lane dimensions of what grads_of returns (1 under jit with axis_name)
 
 
 def _carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
@@ -123,7 +125,10 @@ def microbatched_value_and_grad(
     has_aux: as in ``jax.value_and_grad``.
     has_state: thread state (BatchNorm statistics, NNX RNG counters) through
       the microbatches in order; ``f`` returns the last one.
-    aux_mode: ``'mean'`` (aux by the loss's weighted mean) or ``'stack'`` (``[K, ...]``).
+    aux_mode: how aux leaves combine: ``'mean'`` (by the loss's weights: mean metrics such as
+      accuracy), ``'sum'`` (count and sum metrics), ``'concat'`` (per-example values, ``[B,
+      ...]`` in the batch's order) or ``'stack'`` (per microbatch, ``[K, ...]``). ``'mean'`` and
+      ``'sum'`` refuse a per-example leaf (one row per example) rather than reshape it.
     strided: microbatch ``k`` takes rows ``k, k+K, ...``; ``False``: contiguous.
     axis_name: the mesh axis (or axes) the batch is sharded over: the sums are reduced
       once after the scan, in ``jax.shard_map`` or under ``jax.jit`` with a mesh (then the
@@ -200,7 +205,10 @@ def _value_and_grad(
   state0, args = _take_state(cfg, args)
   scale = _scale_value(cfg.loss_scale)
   one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, args, kwargs)
-  mode = _lanes(one, params, mesh, axes) if lanes else _local(one, name, mesh, axes)
+  if lanes:
+    mode = _lanes(one, params, mesh, axes, cfg.strided)
+  else:
+    mode = _local(one, name, mesh, axes, cfg.strided)
   sums, state, stacked = _scan(cfg, mode, micro, state0)
   return _finish(cfg, mode, params, mode.reduce(sums), state, stacked, scale)
 
@@ -276,7 +284,7 @@ def _fold_key(x: Any, k: jax.Array, lane: Any) -> Any:
   return x if lane is None else jax.random.fold_in(x, lane)
 
 
-def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...]) -> _Mode:
+def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...], strided) -> _Mode:
   """No ``axis_name`` (``name`` None), or inside ``shard_map``: one ``psum`` after the scan."""
   reduce = (lambda sums: _mesh.psum_sums(sums, axes)) if name == "shard_map" else (lambda s: s)
   return _Mode(
@@ -287,17 +295,23 @@ def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...]) ->
     reduce=reduce,
     place=lambda grads: grads,
     stack=lambda aux, w: aux,
+    concat=lambda aux: _mesh.merge_batch(aux, strided),
+    lead=0,
   )
 
 
-def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...]) -> _Mode:
+def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...], strided) -> _Mode:
   """Under ``jit`` with ``axis_name``: one lane per device, the lanes summed after the scan."""
   lanes = _mesh.num_lanes(mesh, axes)
   per_lane = lambda f: jax.vmap(f, spmd_axis_name=_mesh.spmd_axis_name(mesh, axes))
 
   def grads_of(mb, k, state):  # state is None: has_state is refused here
     lane_ids = _mesh.lane_indices(lanes, mesh, axes)
-    return per_lane(lambda m, d: one(m, k, None, d))(mb, lane_ids)
+    loss, aux, _, g, w = per_lane(lambda m, d: one(m, k, None, d))(mb, lane_ids)
+    # What does not depend on the data (the default weight, rows) comes out of vmap unsharded;
+    # the lane dimension of every sum is sharded over `axes`.
+    lane_sharded = lambda t: jax.tree.map(lambda x: _mesh.constrain(x, mesh, axes, 0), t)
+    return lane_sharded(loss), lane_sharded(aux), None, g, lane_sharded(w)
 
   return _Mode(
     grads_of=grads_of,
@@ -307,6 +321,8 @@ def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...]) -> _
     reduce=lambda sums: jax.tree.map(lambda x: x.sum(0), sums),
     place=lambda grads: _mesh.like_params(grads, params),
     stack=_mesh.lane_mean,
+    concat=lambda aux: _mesh.merge_lanes(aux, strided),
+    lead=1,
   )
 
 
@@ -316,8 +332,11 @@ def _zero_sums(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any) -> _Sums:
   loss_s, aux_s, _, g_s, w_s = jax.eval_shape(mode.grads_of, mb0, 0, state0)
   grads = jax.tree.map(lambda s: mode.zeros(s, _carry_dtype(s.dtype, cfg.accumulator_dtype)), g_s)
   aux = None
-  if cfg.has_aux and cfg.aux_mode == "mean":
-    aux = jax.tree.map(lambda s: mode.zeros(s, _carry_dtype(s.dtype)), aux_s)
+  if cfg.has_aux:
+    _check_aux(cfg.aux_mode, aux_s, jax.tree.leaves(mb0)[0].shape[mode.lead], mode.lead)
+  if cfg.has_aux and cfg.aux_mode in ("mean", "sum"):
+    dtype = _sum_dtype if cfg.aux_mode == "sum" else _carry_dtype
+    aux = jax.tree.map(lambda s: mode.zeros(s, dtype(s.dtype)), aux_s)
   noise = ()
   if cfg.noise_scale:  # (sum_k w_k |g_k|^2, samples), one per lane
     noise = tuple(mode.zeros(w_s, z.dtype) for z in _noise_scale.zeros())
@@ -325,9 +344,37 @@ def _zero_sums(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any) -> _Sums:
   return _Sums(grads, weight, mode.zeros(loss_s, loss_s.dtype), aux, noise)
 
 
+def _sum_dtype(dtype: Any) -> jnp.dtype:
+  """The dtype ``aux_mode='sum'`` carries a leaf in: integers (and bools) stay exact as int32."""
+  integer = jnp.issubdtype(dtype, jnp.integer) or jnp.dtype(dtype) == jnp.bool_
+  return jnp.dtype(jnp.int32) if integer else _carry_dtype(dtype)
+
+
+def _check_aux(aux_mode: str, aux_s: PyTree, rows: int, lead: int) -> None:
+  """Raises where ``aux_mode`` would silently change an aux leaf's meaning or shape."""
+  for path, s in jax.tree_util.tree_flatten_with_path(aux_s)[0]:
+    shape, name = tuple(s.shape[lead:]), jax.tree_util.keystr(path)
+    per_example = len(shape) >= 1 and shape[0] == rows
+    if aux_mode in ("mean", "sum") and per_example and rows > 1:
+      raise ValueError(
+        f"aux leaf {name} has shape {shape}: one row per example of the {rows}-row microbatch. "
+        f"aux_mode={aux_mode!r} would combine the microbatches row by row and return {rows} "
+        "rows instead of the batch's. Pass aux_mode='concat' for per-example values (back to "
+        "the batch's rows and order) or aux_mode='stack' ([K, ...] per microbatch)."
+      )
+    if aux_mode == "concat" and not per_example:
+      raise ValueError(
+        f"aux_mode='concat' joins per-example aux leaves ({rows} rows per microbatch), but "
+        f"aux leaf {name} has shape {shape}. Return per-example values, or use aux_mode="
+        "'mean' (mean metrics) or 'sum' (count and sum metrics)."
+      )
+
+
 def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
   """``lax.scan`` over the microbatches: ``(sums, last state, stacked (aux, w) or None)``."""
-  stack = cfg.has_aux and cfg.aux_mode == "stack"
+  stack = cfg.has_aux and cfg.aux_mode in ("stack", "concat")
+  # 'sum': every microbatch's aux counts once, weight 0 or not: the batch's sum.
+  aux_weight = (lambda w: w) if cfg.aux_mode == "mean" else jnp.ones_like
 
   def body(carry, xs):
     sums, state = carry
@@ -338,7 +385,7 @@ def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
       grads=mode.add(sums.grads, g, w),
       weight=sums.weight + w,
       loss=mode.add(sums.loss, loss, w),
-      aux=None if sums.aux is None else mode.add(sums.aux, aux, w),
+      aux=None if sums.aux is None else mode.add(sums.aux, aux, aux_weight(w)),
       noise=noise,
     )
     return (sums, new_state), ((aux, w) if stack else None)
@@ -355,6 +402,10 @@ def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scal
   loss = _numerics.guarded_divide(sums.loss, sums.weight)
   if cfg.aux_mode == "stack":
     aux = None if stacked is None else mode.stack(*stacked)
+  elif cfg.aux_mode == "concat":
+    aux = None if stacked is None else mode.concat(stacked[0])
+  elif cfg.aux_mode == "sum":
+    aux = sums.aux
   else:
     aux = _numerics.guarded_divide(sums.aux, sums.weight)
   value = _pack(cfg, loss, aux, state)

@@ -167,6 +167,26 @@ def _names(entry: Any) -> set[str]:
   return {entry} if isinstance(entry, str) else set(entry)
 
 
+def merge_batch(stacked: PyTree, strided: bool) -> PyTree:
+  """The inverse of :func:`split_batch`: ``[K, B/K, ...]`` leaves back to ``[B, ...]``."""
+
+  def merge(x):
+    x = jnp.swapaxes(x, 0, 1) if strided else x
+    return x.reshape((-1,) + x.shape[2:])
+
+  return jax.tree.map(merge, stacked)
+
+
+def merge_lanes(stacked: PyTree, strided: bool) -> PyTree:
+  """The inverse of :func:`split_lanes`: ``[K, D, B/(K*D), ...]`` leaves back to ``[B, ...]``."""
+
+  def merge(x):
+    x = jnp.moveaxis(x, 0, 2) if strided else x  # strided: [D, m, K, ...], each lane's block
+    return x.reshape((-1,) + x.shape[3:])
+
+  return jax.tree.map(merge, stacked)
+
+
 def split_lanes(
   batch: PyTree, k: int, lanes: int, mesh: Any, axes: tuple[str, ...], strided: bool
 ) -> PyTree:
@@ -212,12 +232,13 @@ def carry_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...], lanes
   """Zeros like ``struct`` (from ``jax.eval_shape``) in ``dtype``: lane dimension 0 sharded over
   ``axes``, device-varying where ``struct`` is (``lax.scan`` needs equal carry types)."""
   sharding = getattr(struct, "sharding", None)
-  if not lanes:
-    x = jnp.zeros(struct.shape, dtype)
-  elif _explicit(mesh, axes) and isinstance(sharding, NamedSharding):
+  typed = isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
+  if typed and (not lanes or _explicit(mesh, axes)):  # the carry's type holds its sharding
     x = jnp.zeros(struct.shape, dtype, out_sharding=sharding)
-  else:
+  elif lanes:
     x = constrain(jnp.zeros(struct.shape, dtype), mesh, axes, 0)
+  else:
+    x = jnp.zeros(struct.shape, dtype)
   varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
   if varying is None:  # JAX < 0.9: the type's `vma`
     varying = getattr(struct, "vma", None)

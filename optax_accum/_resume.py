@@ -17,6 +17,7 @@ import optax
 from optax_accum._sharding import state_shardings
 from optax_accum._state import (
   Fingerprint,
+  _is_state,
   find_states,
   fingerprint_of,
   fingerprint_problems,
@@ -109,6 +110,83 @@ def _check_layout(got: dict[str, Any]) -> None:
     )
 
 
+def _accumulates(paths: Any) -> bool:
+  return any(p.rsplit(".", 1)[-1] == "mini_step" for p in paths)
+
+
+def _check_accumulation(want: dict[str, Any], got: dict[str, Any]) -> None:
+  """Raises for a checkpoint written with accumulation restored without it, or the reverse."""
+  if _accumulates(want) == _accumulates(got):
+    return
+  written = "without" if _accumulates(want) else "with"
+  raise ValueError(
+    f"The restored optimizer state was written by a run {written} optax_accum.accumulate, "
+    f"and tx is {'with' if written == 'without' else 'without'} it: the layouts differ (the "
+    "accumulate state holds the inner optimizer's state in inner_state), so a restore into "
+    "tx.init(params) would silently keep fresh values (Adam's count and the warmup would "
+    "restart). Restore it with the layout it was written with (the old optimizer's "
+    "init(params) as the target), then convert it: "
+    "optax_accum.sharding.migrate_state(tx, params, restored)."
+  )
+
+
+def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
+  """``restored``, written with or without ``accumulate``, as a state of ``tx``.
+
+  A run started without accumulation continues with it: each ``accumulate`` state of
+  ``tx.init(params)`` takes, as its ``inner_state``, the restored state in its place (an empty
+  window, counters from 0; the inner optimizer's own count, its schedules and Adam's bias
+  correction continue). The reverse keeps each ``inner_state``, after a window that is empty.
+
+  Args:
+    tx: the transformation to continue with.
+    params: the params (arrays, or ``jax.ShapeDtypeStruct`` only for the reverse).
+    restored: the restored state, with the types its optimizer's ``init`` gives (restore it
+      with that ``init(params)``, or ``jax.eval_shape`` of it, as the target).
+
+  Returns:
+    A state of ``tx``; checked with :func:`check_compatible`.
+
+  Raises:
+    ValueError: if ``restored`` does not have the layout ``tx`` less (or plus) ``accumulate``
+      gives, or holds an open window (flush it, or :func:`optax_accum.discard` it, first).
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> params = {'w': jnp.zeros(3)}
+    >>> old = optax.adam(1e-3).init(params)  # written by a run without accumulation
+    >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
+    >>> state = optax_accum.sharding.migrate_state(tx, params, old)
+    >>> int(state.inner_state[0].count), int(state.mini_step)
+    (0, 0)
+    >>> optax_accum.sharding.migrate_state(optax.adam(1e-3), params, state)[0].count
+    Array(0, dtype=int32)
+  """
+  restored_states = find_states(restored)
+  if not find_states(jax.eval_shape(tx.init, params)):
+    for s in restored_states:
+      if not isinstance(s.mini_step, jax.core.Tracer) and int(s.mini_step):
+        raise ValueError(
+          f"The restored accumulate state's open window holds {int(s.mini_step)} "
+          "microbatches, which a state without accumulate cannot keep. Close it first "
+          "(optax_accum.flush, or flush=True on its last microbatch) or drop it "
+          "(optax_accum.discard)."
+        )
+    migrated = map_states(lambda s: s.inner_state, restored)
+  elif restored_states:
+    migrated = restored
+  else:
+    adopt = lambda fresh, old: fresh._replace(inner_state=old) if _is_state(fresh) else old
+    try:
+      migrated = jax.tree.map(adopt, tx.init(params), restored, is_leaf=_is_state)
+    except ValueError as e:
+      raise ValueError(
+        "The restored state does not have the layout of tx without accumulate: restore it "
+        f"with the old optimizer's init(params) as the target. ({e})"
+      ) from e
+  return check_compatible(tx, params, migrated)
+
+
 def check_compatible(
   tx: optax.GradientTransformation, params: PyTree, state: PyTree, *, stacked: bool = False
 ) -> PyTree:
@@ -158,6 +236,7 @@ def check_compatible(
     expected = _stacked_shapes(expected)
   want, got = _leaves_by_path(expected), _leaves_by_path(state)
   _check_layout(got)
+  _check_accumulation(want, got)
   problems = []
   for path in sorted(want.keys() - got.keys()):
     problems.append(f"  {path}: missing from the restored state")

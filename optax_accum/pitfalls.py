@@ -13,6 +13,8 @@ so they warn, once per call site by default. To silence them::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import warnings
@@ -29,6 +31,8 @@ PyTree = Any
 _SCHEDULE_STATES = (optax.ScaleByScheduleState,)
 # `inject_hyperparams` states: a schedule only where `hyperparams_states` is non-empty.
 _INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+# True while optax_accum.flax.Optimizer (whose `step` counts applied updates) calls tx.init.
+_COUNTS_UPDATES = contextvars.ContextVar("optax_accum_counts_updates", default=False)
 # Packages whose frames are skipped when pointing a warning at the user's code.
 _INTERNAL_PACKAGES = ("optax_accum", "jax", "optax", "flax")
 
@@ -101,6 +105,49 @@ def check_inner_state(inner_state: PyTree, state_type: type) -> PyTree:
       "alone (README: Migrating from optax.MultiSteps)."
     )
   return inner_state
+
+
+@contextlib.contextmanager
+def counting_updates():
+  """Marks ``tx.init`` calls made by an optimizer whose ``step`` counts applied updates."""
+  token = _COUNTS_UPDATES.set(True)
+  try:
+    yield
+  finally:
+    _COUNTS_UPDATES.reset(token)
+
+
+def check_params(params: PyTree) -> None:
+  """Warns when ``accumulate(...).init`` gets what a plain ``nnx.Optimizer`` passes it.
+
+  ``nnx.Optimizer(model, accumulate(...), wrt=nnx.Param)`` calls ``init`` with an ``nnx.State``
+  of the model's Variables, then adds 1 to ``step`` on every microbatch: a schedule, EMA,
+  evaluation or checkpoint keyed on ``step`` runs ``every_k`` times too often.
+  :class:`optax_accum.flax.Optimizer` (its ``step`` counts applied updates) does not warn.
+
+  Examples:
+    >>> import warnings, optax, optax_accum
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   _ = nnx.Optimizer(model, optax_accum.accumulate(optax.sgd(0.1), 4), wrt=nnx.Param)
+    >>> [w.category.__name__ for w in caught]
+    ['PitfallWarning']
+  """
+  nnx = sys.modules.get("flax.nnx")  # a State of Variables exists only where Flax is imported
+  if nnx is None or _COUNTS_UPDATES.get() or not isinstance(params, nnx.State):
+    return
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  if any(is_var(x) for x in jax.tree.leaves(params, is_leaf=is_var)):
+    _warn(
+      "accumulate(...).init got an nnx.State of Variables, as a plain nnx.Optimizer passes "
+      "it: nnx.Optimizer adds 1 to `step` per microbatch, not per update, so schedules, EMA, "
+      "evaluation and checkpoints keyed on it run every_k times too often. Use "
+      "optax_accum.flax.Optimizer (the same constructor; its step counts applied updates), "
+      "or read optax_accum.metrics(opt.opt_state).num_updates. Calling tx.init yourself? "
+      "Pass arrays (nnx.as_pure(state)) and this is not shown."
+    )
 
 
 def check_state(opt_state: PyTree, state_type: type) -> None:

@@ -6,7 +6,6 @@ loss that is not a mean, a wrong ``weight`` and BatchNorm. Flax is imported only
 
 from __future__ import annotations
 
-import inspect
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -196,11 +195,10 @@ def _functional(loss_fn: Callable, params: Any) -> tuple[Callable, PyTree]:
     from flax import nnx
 
     if isinstance(params, nnx.Module):
+      from optax_accum.flax._in_step import as_pure, merge_fresh
+
       graphdef, p, rest = nnx.split(params, nnx.Param, ...)
-      # copy=True: fresh Variables, so BatchNorm's in-place update inside jax.grad does not
-      # raise TraceContextError (Flax >= 0.12; older Flax has no `copy` and always copies).
-      fresh = {"copy": True} if "copy" in inspect.signature(nnx.merge).parameters else {}
-      return (lambda q, b: loss_fn(nnx.merge(graphdef, q, rest, **fresh), b)), p
+      return (lambda q, b: loss_fn(merge_fresh(graphdef, q, rest), b)), as_pure(p)
   return loss_fn, params
 
 
@@ -214,6 +212,7 @@ def check_equivalence(
   weight_fn: Callable[[PyTree], Any] | None = None,
   model: Any = None,
   strided: bool = True,
+  has_aux: bool = False,
 ) -> EquivalenceReport:
   """Runs one accumulated window both ways and one physical batch, and compares them.
 
@@ -233,6 +232,7 @@ def check_equivalence(
       ``lambda mb: mb['mask'].sum()`` for token-mean losses.
     model: an ``nnx.Module`` or Linen variables dict to scan for BatchNorm.
     strided: how the batch is split (see :func:`optax_accum.split_batch`).
+    has_aux: ``loss_fn`` returns ``(loss, aux)``, as in ``jax.value_and_grad``; aux is unused.
 
   Returns:
     An :class:`EquivalenceReport`; ``print(report)`` shows a table.
@@ -255,7 +255,7 @@ def check_equivalence(
     (True, 1)
   """
   layers = _warn_if_batch_dependent(params, model)
-  f, p = _functional(loss_fn, params)
+  f, p = _functional((lambda *a: loss_fn(*a)[0]) if has_aux else loss_fn, params)
   k = num_microbatches
   weigh = weight_fn if weight_fn is not None else (lambda mb: jax.tree.leaves(mb)[0].shape[0])
 
@@ -310,13 +310,14 @@ def assert_equivalent(
   weight_fn: Callable[[PyTree], Any] | None = None,
   model: Any = None,
   strided: bool = True,
+  has_aux: bool = False,
   rtol: float = 1e-5,
   atol: float = 1e-6,
 ) -> EquivalenceReport:
   """:func:`check_equivalence` that raises unless every row is within ``atol + rtol * scale``.
 
   Args:
-    loss_fn, params, batch, inner, num_microbatches, weight_fn, model, strided:
+    loss_fn, params, batch, inner, num_microbatches, weight_fn, model, strided, has_aux:
       as in :func:`check_equivalence`.
     rtol: relative tolerance, against the reference's largest magnitude.
     atol: absolute tolerance. The float32 defaults allow rounding only.
@@ -349,6 +350,7 @@ def assert_equivalent(
     weight_fn=weight_fn,
     model=model,
     strided=strided,
+    has_aux=has_aux,
   )
   if not report.passed(rtol=rtol, atol=atol):
     raise AssertionError(

@@ -49,6 +49,15 @@ PRINTS = {
   "mixed_precision.md": [r"3 3 8192\.0"],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
   "guards.md": ["29 1 0", "1"],
+  "porting.md": [
+    r"1 \d\.\d{3}",
+    r"2 \d\.\d{3}",
+    r"3 \d\.\d{3}",  # optimizer.step counts updates: 1, 2, 3
+    r"\d\.\d{3}",
+    "2",
+    "The restored optimizer state was written by a run without optax_accum.accumulate, and tx "
+    "is with it",
+  ],
   "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],
 }
 

@@ -275,7 +275,7 @@ def test_errors():
   with pytest.raises(ValueError, match=">= 1"):
     optax_accum.microbatched_value_and_grad(models.linear_regression_loss, 0)
   with pytest.raises(ValueError, match="aux_mode"):
-    optax_accum.microbatched_value_and_grad(models.linear_regression_loss, 2, aux_mode="sum")
+    optax_accum.microbatched_value_and_grad(models.linear_regression_loss, 2, aux_mode="median")
   g = optax_accum.microbatched_value_and_grad(lambda p, b: b["y"] * p["b"], 2)
   with pytest.raises(ValueError, match="scalar mean loss"):
     g(params, batch)
@@ -352,3 +352,42 @@ def test_keys_anywhere_in_the_keyword_arguments_are_folded(raw):
   (_, draws), _ = jax.jit(f)(params, batch, rngs={"dropout": key}, scale=2.0)
   expected = jnp.stack([jax.random.uniform(jax.random.fold_in(key, k)) for k in range(K)])
   chex.assert_trees_all_equal(draws, expected)
+
+
+def _metrics_loss(p, b):
+  """lm1b-style aux: sum metrics (correct predictions, tokens) and per-example logits."""
+  logits = p["embed"][b["inputs"]] @ p["out"]
+  hit = (jnp.argmax(logits, -1) == b["targets"]) & (b["mask"] > 0)
+  aux = {"correct": hit.sum(), "tokens": b["mask"].sum(), "logits": logits}
+  return models.token_loss(p, b), aux
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_aux_mode_sum_and_concat_equal_the_batch(token_data, strided):
+  """'sum' adds the microbatches' sum metrics (integers stay exact), 'concat' returns the
+  per-example values in the batch's rows and order; both equal one call on the batch."""
+  params, batch = token_data
+  (_, ref), _ = jax.value_and_grad(_metrics_loss, has_aux=True)(params, batch)
+  without = lambda aux, key: {k: v for k, v in aux.items() if k != key}
+  make = lambda mode, loss_fn: optax_accum.microbatched_value_and_grad(
+    loss_fn, K, weight_fn=tokens, has_aux=True, aux_mode=mode, strided=strided
+  )
+  summed = lambda p, b: (_metrics_loss(p, b)[0], without(_metrics_loss(p, b)[1], "logits"))
+  (_, sums), _ = jax.jit(make("sum", summed))(params, batch)
+  assert sums["correct"].dtype == jnp.int32 and int(sums["correct"]) == int(ref["correct"])
+  np.testing.assert_array_equal(sums["tokens"], ref["tokens"])
+  logits_only = lambda p, b: (_metrics_loss(p, b)[0], _metrics_loss(p, b)[1]["logits"])
+  (_, logits), _ = jax.jit(make("concat", logits_only))(params, batch)
+  assert logits.shape == ref["logits"].shape
+  np.testing.assert_allclose(logits, ref["logits"], rtol=1e-6, atol=1e-6)
+
+
+def test_aux_modes_refuse_to_change_a_leaf_silently(token_data):
+  params, batch = token_data
+  for mode in ("mean", "sum"):  # per-example logits averaged (or added) row by row: refused
+    f = optax_accum.microbatched_value_and_grad(_metrics_loss, K, has_aux=True, aux_mode=mode)
+    with pytest.raises(ValueError, match=r"\['logits'\] has shape \(4, 8, 11\).*aux_mode='concat'"):
+      jax.jit(f)(params, batch)
+  f = optax_accum.microbatched_value_and_grad(_metrics_loss, K, has_aux=True, aux_mode="concat")
+  with pytest.raises(ValueError, match=r"aux_mode='concat' joins per-example.*\['correct'\]"):
+    jax.jit(f)(params, batch)

@@ -280,3 +280,55 @@ def test_restore_into_another_loss_scale_raises(tmp_path, saved, resumed, match)
   with pytest.raises(ValueError, match="loss"):  # update() refuses it too
     other.update(jax.tree.map(jnp.zeros_like, params), state, params)
   optax_accum.sharding.check_compatible(tx, params, state)  # its own configuration is fine
+
+
+def _plain_steps(inner, params, state, batches):
+  """The unaccumulated reference: one inner step per batch (a window's concatenated rows)."""
+  for batch in batches:
+    updates, state = inner.update(jax.grad(loss_fn)(params, batch), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _concat(batches):
+  return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
+
+
+def test_a_run_without_accumulation_continues_with_it(tmp_path):
+  """Issue 23's trap: 3 plain adamw steps on disk, resumed under accumulate. The checkpoint's
+  metadata is refused with the fix named; migrate_state continues Adam's count, so the next
+  window's update equals a 4th plain step on the window's concatenated batch."""
+  inner = optax.adamw(1e-2, weight_decay=1e-2)
+  batches = make_batches(n=3 + EVERY_K)
+  params = {"theta": jnp.zeros(3), "b": jnp.zeros(())}
+  params, old_state = _plain_steps(inner, params, inner.init(params), batches[:3])
+  save(tmp_path / "plain", old_state)
+  tx = make_tx()
+  with pytest.raises(ValueError, match="written by a run without optax_accum.accumulate.*migrate"):
+    optax_accum.sharding.check_compatible(tx, params, metadata(tmp_path / "plain"))
+  restored = restore(tmp_path / "plain", jax.eval_shape(inner.init, params))
+  state = optax_accum.sharding.migrate_state(tx, params, restored)
+  assert int(state.inner_state[0].count) == 3
+  step = jit_step(tx)
+  got, state, _ = run(step, params, state, batches[3:], jax.devices()[0])
+  window = _concat(batches[3:])  # weights are tokens: the window mean is the concatenation's
+  want, _ = _plain_steps(inner, params, restored, [window])
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+  assert int(optax_accum.metrics(state).num_updates) == 1
+
+
+def test_an_accumulated_run_continues_without_it():
+  """The reverse: the inner state of a closed window, bitwise; an open window is refused."""
+  params = {"theta": jnp.zeros(3), "b": jnp.zeros(())}
+  tx, inner = make_tx(), optax.adamw(1e-2, weight_decay=1e-2)
+  step = jit_step(tx)
+  params, state, _ = run(step, params, tx.init(params), make_batches(n=EVERY_K), jax.devices()[0])
+  plain = optax_accum.sharding.migrate_state(inner, params, state)
+  chex.assert_trees_all_equal(plain, state.inner_state)
+  with pytest.raises(ValueError, match="written by a run with optax_accum.accumulate"):
+    optax_accum.sharding.check_compatible(inner, params, state)
+  _, state, _ = run(step, params, state, make_batches(n=1), jax.devices()[0])
+  with pytest.raises(ValueError, match="open window holds 1 microbatches.*discard"):
+    optax_accum.sharding.migrate_state(inner, params, state)
+  with pytest.raises(ValueError, match="does not match this transformation"):  # another inner
+    optax_accum.sharding.migrate_state(tx, params, optax.sgd(0.1).init(params))

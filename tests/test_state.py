@@ -80,7 +80,8 @@ def _nnx_setup(tx):
       self.b = nnx.Param(jnp.zeros(()))
 
   model = Model()
-  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  with pytest.warns(optax_accum.pitfalls.PitfallWarning, match="adds 1 to `step`"):
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   def loss(model):
     return jnp.sum(GRADS["theta"] * model.theta) + GRADS["b"] * model.b

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import optax_accum
+import optax_accum.flax
 from optax_accum import planning
 from optax_accum.demo.setup import DemoConfig, make_inner, make_model
 
@@ -46,7 +47,7 @@ def step_and_args(config: DemoConfig) -> tuple[Callable[..., Any], Callable[[int
   def build():
     model = make_model(config)
     tx = optax_accum.accumulate(make_inner(config), config.every_k)
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return model, optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, state = nnx.split(nnx.eval_shape(build))
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)

@@ -7,7 +7,8 @@ Import it explicitly; ``import optax_accum`` never imports Flax::
 NNX: :class:`Optimizer` (``nnx.Optimizer`` on the fused path, ``step`` counts
 applied updates). Linen: :class:`TrainState` forwards ``weight``/``flush`` and
 counts applied updates in ``step``. Both close the last window with
-``flush=True`` on its last microbatch.
+``flush=True`` on its last microbatch. In-step: :func:`microbatched_value_and_grad` of an NNX
+module's loss (split, merge and state threading done for you).
 """
 
 try:
@@ -19,7 +20,8 @@ except ModuleNotFoundError as e:
     name=e.name,
   ) from e
 
+from optax_accum.flax._in_step import microbatched_value_and_grad  # noqa: E402
 from optax_accum.flax._linen import TrainState  # noqa: E402
 from optax_accum.flax._nnx import Optimizer  # noqa: E402
 
-__all__ = ["Optimizer", "TrainState"]
+__all__ = ["Optimizer", "TrainState", "microbatched_value_and_grad"]

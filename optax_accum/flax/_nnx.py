@@ -12,11 +12,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from optax_accum import pitfalls
 from optax_accum._actions import update_and_apply
 from optax_accum._state import find_states
-
-# `nnx.as_pure` exists since Flax 0.12.7; `nnx.pure` before it.
-_as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+from optax_accum.flax._in_step import as_pure as _as_pure
 
 
 def _state(optimizer: nnx.Optimizer, node: Any, *filters: Any) -> Any:
@@ -69,6 +68,10 @@ class Optimizer(nnx.Optimizer):
     >>> model.kernel[...], int(opt.step[...])  # the incomplete window's mean is 7
     (Array([[-9.]], dtype=float32), 2)
   """
+
+  def __init__(self, model: Any, tx: Any, *args: Any, **kwargs: Any):
+    with pitfalls.counting_updates():  # this `step` counts applied updates: nothing to warn
+      super().__init__(model, tx, *args, **kwargs)
 
   def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
     """Adds one microbatch's gradients; at a boundary updates ``model`` in place.

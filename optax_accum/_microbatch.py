@@ -16,13 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _checks, _loss_scale, _noise_scale, _numerics
+from optax_accum import _aux, _checks, _loss_scale, _noise_scale, _numerics
 from optax_accum import _microbatch_mesh as _mesh
 from optax_accum._microbatch_mesh import split_batch
 
 PyTree = Any
-
-_AUX_MODES = ("mean", "sum", "concat", "stack")
 
 
 class _Config(NamedTuple):
@@ -65,13 +63,6 @@ class _Mode(NamedTuple):
   stack: Callable  # (aux, weights) stacked per microbatch -> the aux_mode='stack' aux
   concat: Callable  # per-example aux stacked per microbatch -> [B, ...] in the batch's order
   lead: int  # leading lane dimensions of what grads_of returns (1 under jit with axis_name)
-
-
-def _carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
-  """The dtype a sum of ``dtype`` values is carried in (integers and bools become float)."""
-  dt = jnp.dtype(dtype)
-  dt = dt if jnp.issubdtype(dt, jnp.inexact) else _numerics.scalar_dtype()
-  return _numerics.accumulator_dtype(dt, override)
 
 
 def _scale_value(loss_scale: Any) -> jax.Array | None:
@@ -181,8 +172,8 @@ _SLICES = "slices of the batch"
 
 
 def _check_modes(aux_mode: str, noise_scale: Any) -> None:
-  if aux_mode not in _AUX_MODES:
-    raise ValueError(f"aux_mode must be one of {_AUX_MODES}, got {aux_mode!r}.")
+  if aux_mode not in _aux.MODES:
+    raise ValueError(f"aux_mode must be one of {_aux.MODES}, got {aux_mode!r}.")
   if not isinstance(noise_scale, (bool, np.bool_)):
     raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
 
@@ -330,44 +321,19 @@ def _zero_sums(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any) -> _Sums:
   """The scan's first sums, sized by tracing one microbatch abstractly (no compute is staged)."""
   mb0 = jax.tree.map(lambda x: x[0], micro)
   loss_s, aux_s, _, g_s, w_s = jax.eval_shape(mode.grads_of, mb0, 0, state0)
-  grads = jax.tree.map(lambda s: mode.zeros(s, _carry_dtype(s.dtype, cfg.accumulator_dtype)), g_s)
+  carry = lambda s: mode.zeros(s, _aux.carry_dtype(s.dtype, cfg.accumulator_dtype))
+  grads = jax.tree.map(carry, g_s)
   aux = None
   if cfg.has_aux:
-    _check_aux(cfg.aux_mode, aux_s, jax.tree.leaves(mb0)[0].shape[mode.lead], mode.lead)
+    _aux.check_leaves(cfg.aux_mode, aux_s, jax.tree.leaves(mb0)[0].shape[mode.lead], mode.lead)
   if cfg.has_aux and cfg.aux_mode in ("mean", "sum"):
-    dtype = _sum_dtype if cfg.aux_mode == "sum" else _carry_dtype
+    dtype = _aux.sum_dtype if cfg.aux_mode == "sum" else _aux.carry_dtype
     aux = jax.tree.map(lambda s: mode.zeros(s, dtype(s.dtype)), aux_s)
   noise = ()
   if cfg.noise_scale:  # (sum_k w_k |g_k|^2, samples), one per lane
     noise = tuple(mode.zeros(w_s, z.dtype) for z in _noise_scale.zeros())
   weight = mode.zeros(w_s, _numerics.scalar_dtype())
   return _Sums(grads, weight, mode.zeros(loss_s, loss_s.dtype), aux, noise)
-
-
-def _sum_dtype(dtype: Any) -> jnp.dtype:
-  """The dtype ``aux_mode='sum'`` carries a leaf in: integers (and bools) stay exact as int32."""
-  integer = jnp.issubdtype(dtype, jnp.integer) or jnp.dtype(dtype) == jnp.bool_
-  return jnp.dtype(jnp.int32) if integer else _carry_dtype(dtype)
-
-
-def _check_aux(aux_mode: str, aux_s: PyTree, rows: int, lead: int) -> None:
-  """Raises where ``aux_mode`` would silently change an aux leaf's meaning or shape."""
-  for path, s in jax.tree_util.tree_flatten_with_path(aux_s)[0]:
-    shape, name = tuple(s.shape[lead:]), jax.tree_util.keystr(path)
-    per_example = len(shape) >= 1 and shape[0] == rows
-    if aux_mode in ("mean", "sum") and per_example and rows > 1:
-      raise ValueError(
-        f"aux leaf {name} has shape {shape}: one row per example of the {rows}-row microbatch. "
-        f"aux_mode={aux_mode!r} would combine the microbatches row by row and return {rows} "
-        "rows instead of the batch's. Pass aux_mode='concat' for per-example values (back to "
-        "the batch's rows and order) or aux_mode='stack' ([K, ...] per microbatch)."
-      )
-    if aux_mode == "concat" and not per_example:
-      raise ValueError(
-        f"aux_mode='concat' joins per-example aux leaves ({rows} rows per microbatch), but "
-        f"aux leaf {name} has shape {shape}. Return per-example values, or use aux_mode="
-        "'mean' (mean metrics) or 'sum' (count and sum metrics)."
-      )
 
 
 def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):

@@ -299,10 +299,10 @@ def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...], stri
   def grads_of(mb, k, state):  # state is None: has_state is refused here
     lane_ids = _mesh.lane_indices(lanes, mesh, axes)
     loss, aux, _, g, w = per_lane(lambda m, d: one(m, k, None, d))(mb, lane_ids)
-    # What does not depend on the data (the default weight, rows) comes out of vmap unsharded;
-    # the lane dimension of every sum is sharded over `axes`.
+    # What does not depend on the data (the default weight, rows) comes out of vmap unsharded,
+    # and JAX 0.7 drops a size-1 axis from some outputs: every lane dimension is put on `axes`.
     lane_sharded = lambda t: jax.tree.map(lambda x: _mesh.constrain(x, mesh, axes, 0), t)
-    return lane_sharded(loss), lane_sharded(aux), None, g, lane_sharded(w)
+    return lane_sharded(loss), lane_sharded(aux), None, lane_sharded(g), lane_sharded(w)
 
   return _Mode(
     grads_of=grads_of,

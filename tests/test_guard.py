@@ -35,10 +35,11 @@ def _windows(num_windows, spike=None, removed=False):
   return out
 
 
-def _run(rule, microbatches, fused):
+def _run(rule, microbatches, fused, start=None):
+  """The microbatches through one jitted step, from ``start`` ((params, state)) or a fresh one."""
   tx = optax_accum.accumulate(optax.adam(0.05), every_k=K, skip_if=rule)
   params = linear_regression_params(3)
-  state = tx.init(params)
+  params, state = start if start is not None else (params, tx.init(params))
 
   @jax.jit
   def step(params, state, batch, loss_f, grad_f):
@@ -169,15 +170,9 @@ def test_resume_continues_bitwise():
   windows = _windows(46, "grad_norm")
   params, state = _run(rule, windows, fused=False)
   half_params, half_state = _run(rule, windows[:60], fused=False)
-  # Continue from a host copy of the state (what a checkpoint restores).
-  half_state = jax.tree.map(np.asarray, half_state)
-  tx = optax_accum.accumulate(optax.adam(0.05), every_k=K, skip_if=rule)
-  p, s = half_params, half_state
-  for batch, loss_f, grad_f in windows[60:]:
-    loss, grads = jax.value_and_grad(linear_regression_loss)(p, batch)
-    grads = jax.tree.map(lambda g, f=grad_f: g * f, grads)
-    updates, s = jax.jit(tx.update)(grads, s, p, value=loss * loss_f)
-    p = optax.apply_updates(p, updates)
+  # Continue, in a fresh transformation, from a host copy (what a checkpoint restores).
+  host = jax.tree.map(np.asarray, (half_params, half_state))
+  p, s = _run(rule, windows[60:], fused=False, start=host)
   jax.tree.map(np.testing.assert_array_equal, (p, s), (params, state))
 
 

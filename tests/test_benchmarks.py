@@ -58,7 +58,8 @@ def test_quick_benchmarks(tmp_path):
   # weight sums, window_loss, grad_norm) and 3 bools: 43 bytes (optional features off).
   assert 0 < res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 64
   leaves = len(microstep.make_params(2**18))
-  for name in ("accumulate_fused", "accumulate_fused_noise", "nnx_optimizer", "train_state"):
+  fused = ("accumulate_fused", "accumulate_fused_noise", "accumulate_fused_guard")
+  for name in (*fused, "nnx_optimizer", "train_state"):
     assert res["variants"][name]["param_sized_copies"] == 0, name
   for name in ("accumulate", "accumulate_noise"):
     assert res["variants"][name]["param_sized_copies"] <= leaves, name

@@ -136,7 +136,7 @@ def metrics(opt_state: PyTree) -> Metrics:
 
 
 def _loss_scale_of(s) -> jax.Array:
-  if isinstance(s.loss_scale, optax.EmptyState):
+  if _off(s.loss_scale):
     return jnp.ones((), jnp.float32)
   return s.loss_scale.scale
 

@@ -3,7 +3,8 @@
 import _compat
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+import pytest
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import testing
@@ -74,4 +75,76 @@ def test_count_collectives_on_hand_written_hlo():
     "outside": {},
     "in_conditional": {},
     "in_loop": {},
+  }
+
+
+def _axes_of(line, mesh):
+  """The axes ``count_collectives`` reads from one hand-written instruction."""
+  text = f"ENTRY %main (x: f32[4]) -> f32[4] {{\n  {line}\n}}\n"
+  (key,) = testing.count_collectives(text, mesh)["outside"]
+  return key[1]
+
+
+def test_every_replica_group_format_maps_to_the_hand_worked_mesh_axes():
+  """A (2, 2, 2) mesh ('a', 'b', 'c'): logical id 4a + 2b + c; each group varies some axes."""
+  mesh = _compat.make_mesh((2, 2, 2), ("a", "b", "c"))
+  ar = "%r = f32[4]{0} all-reduce(f32[4]{0} %x), channel_id=1, replica_groups="
+  cases = {
+    "{{0,4},{1,5},{2,6},{3,7}}": ("a",),  # 0 and 4 differ in a only
+    "{{0,1,2,3},{4,5,6,7}}": ("b", "c"),
+    "{}": ("a", "b", "c"),
+    "[4,2]<=[8]": ("c",),  # rows {0,1}, {2,3}, ...
+    "[4,2]<=[2,4]T(1,0)": ("a",),  # arange(8).reshape(2,4).T rows: {0,4}, {1,5}, ...
+    "[4,2]<=[2,2,2]T(0,2,1)": ("b",),  # rows {0,2}, {1,3}, {4,6}, {5,7}
+    "[2,4]<=[8]": ("b", "c"),
+    "mesh['axis_0'=2,'axis_1'=4] {'axis_0'}": ("a",),
+    "mesh['axis_0'=2,'axis_1'=4] {'axis_1'}": ("b", "c"),
+    # the grid arange(8).reshape(2,4).T = [[0,4],[1,5],[2,6],[3,7]] reshaped to (4,1,2):
+    # axis_0 varies 0,1,2,3 (b and c), axis_2 varies 0,4 (a).
+    "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}": ("b", "c"),
+    "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}": ("a",),
+  }
+  for groups, axes in cases.items():
+    assert _axes_of(ar + groups + ", to_apply=%add", mesh) == axes, groups
+  perm = "%p = f32[4]{0} collective-permute(f32[4]{0} %x), source_target_pairs={{0,2},{2,0}}"
+  assert _axes_of(perm, mesh) == ("b",)
+  with pytest.raises(ValueError, match="logical id 8, but mesh= has 8 devices"):
+    _axes_of(ar + "{{0,8}}", mesh)
+  with pytest.raises(ValueError, match="cannot read the device groups"):
+    _axes_of(ar + "somethingnew", mesh)
+  with pytest.raises(ValueError, match="unit='rows'"):
+    testing.count_collectives("", unit="rows")
+
+
+def test_compiled_programs_report_the_axes_they_reduce_over():
+  """Whatever group format this XLA prints: manual psums and compiler-inserted reductions."""
+  mesh = _compat.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+  spec = P(("a", "b", "c"))
+  x = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, spec))
+  for axes in [("a",), ("b",), ("c",), ("a", "c"), ("a", "b", "c")]:
+    psum = lambda x, axes=axes: jax.lax.psum(x, axes)
+    f = jax.shard_map(psum, mesh=mesh, in_specs=spec, out_specs=spec)
+    counts = testing.count_collectives(jax.jit(f).lower(x).compile().as_text(), mesh)
+    assert counts["outside"] == {("all-reduce", axes): 1}, axes
+  z = jax.device_put(jnp.ones((4, 4, 4)), NamedSharding(mesh, P("a", "b", "c")))
+  for dim, axis in enumerate("abc"):  # summing a sharded dimension reduces over its axis
+    text = jax.jit(lambda z, d=dim: z.sum(d)).lower(z).compile().as_text()
+    assert testing.count_collectives(text, mesh)["outside"] == {("all-reduce", (axis,)): 1}
+
+
+def test_bytes_are_the_data_size_of_each_collective():
+  """Hand-worked: a variadic all-reduce of f32[] and bf16[4,8]; all-gather f32[2] -> f32[8]."""
+  text = """ENTRY %main (x: f32[2]) -> f32[8] {
+  %r = (f32[], bf16[4,8]{1,0}) all-reduce(f32[] %a, bf16[4,8]{1,0} %b), replica_groups={}
+  %s = (f32[2]{0}, f32[8]{0}) all-gather-start(f32[2]{0} %x), replica_groups={}, dimensions={0}
+  %d = f32[8]{0} all-gather-done((f32[2]{0}, f32[8]{0}) %s)
+  ROOT %rs = f32[2]{0} reduce-scatter(f32[8]{0} %x), replica_groups={}, dimensions={0}
+}
+"""
+  data = testing.count_collectives(text, unit="bytes")["outside"]
+  assert data == {"all-reduce": 4 + 2 * 32, "all-gather": 4 * 8, "reduce-scatter": 4 * 8}
+  assert testing.count_collectives(text)["outside"] == {
+    "all-reduce": 1,
+    "all-gather": 1,
+    "reduce-scatter": 1,
   }

@@ -127,12 +127,33 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   return jax.tree.map(lambda x: x if is_spec(x) else replicated, specs, is_leaf=is_spec)
 
 
+def _spec_on(x: Any, mesh: jax.sharding.Mesh) -> PartitionSpec:
+  """``x``'s ``PartitionSpec`` if it is placed with a ``NamedSharding`` on ``mesh``'s axes."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and dict(sharding.mesh.shape) == dict(mesh.shape):
+    return sharding.spec
+  return PartitionSpec()
+
+
+def _place(x: Any, mesh: jax.sharding.Mesh, spec: PartitionSpec, n: int | None) -> jax.Array:
+  """``x`` (with ``n`` copies stacked in front, for a window leaf) as a global array on ``mesh``."""
+  sharding = NamedSharding(mesh, spec)
+  if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):  # maybe multi-process
+    stack = lambda x: x if n is None else jax.numpy.broadcast_to(x, (n, *x.shape))
+    return jax.jit(stack, out_shardings=sharding)(x)
+  x = np.asarray(x) if n is None else np.broadcast_to(np.asarray(x), (n, *np.shape(x)))
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def stack_windows(
   opt_state: PyTree, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]
 ) -> PyTree:
   """Places a fresh ``tx.init(params)`` state on ``mesh`` for ``shard_map``, one window per device.
 
-  Call it once, outside ``jit`` (every process with the same state).
+  Call it once, outside ``jit`` (every process with the same state). A leaf placed with a
+  ``NamedSharding`` on the mesh's axes keeps it (say, the inner optimizer's moments and the
+  window sums sharded over an ``fsdp`` axis, from :func:`init_sharded`); window leaves get
+  ``axis_name`` in front of it; other leaves are replicated.
 
   Args:
     opt_state: a state containing ``accumulate`` states, without a device axis.
@@ -140,11 +161,14 @@ def stack_windows(
     axis_name: the mesh axis (or axes) of the data-parallel replicas.
 
   Returns:
-    Global arrays laid out per :func:`window_specs`: window sums ``[n, *shape]``,
-    ``n`` the product of the axes' sizes.
+    Global arrays: window sums ``[n, *shape]`` with spec ``P(axis_name, *spec)``, ``n`` the
+    product of the axes' sizes and ``spec`` the leaf's own (``P()`` if it had none), which
+    :func:`window_specs` names for ``shard_map``; the rest as they were.
 
   Raises:
     KeyError: if an axis of ``axis_name`` is not in ``mesh`` (naming its axes).
+    ValueError: if a leaf is already sharded over ``axis_name`` (the replicas' axis cannot
+      also shard a leaf: shard it over another mesh axis).
 
   Examples:
     >>> import optax, optax_accum
@@ -153,6 +177,14 @@ def stack_windows(
     >>> state = optax_accum.sharding.stack_windows(tx.init({'w': jnp.zeros(3)}), mesh, 'data')
     >>> state.window.grad_sum['w'].shape, state.window.weight_sum.shape, state.mini_step.shape
     ((8, 3), (8,), ())
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((2, 4), ('replica', 'fsdp'))
+    >>> params = jax.device_put({'w': jnp.zeros((8, 3))}, NamedSharding(mesh, P('fsdp')))
+    >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4, axis_name='replica')
+    >>> state = optax_accum.sharding.init_sharded(tx, params)
+    >>> state = optax_accum.sharding.stack_windows(state, mesh, 'replica')
+    >>> [tuple(x.sharding.spec) for x in (state.window.grad_sum['w'], state.inner_state[0].mu['w'])]
+    [('replica', 'fsdp'), ('fsdp',)]
   """
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   unknown = [a for a in axes if a not in mesh.shape]
@@ -163,18 +195,22 @@ def stack_windows(
       "axis, the same as accumulate(..., axis_name=...)."
     )
   n = int(np.prod([mesh.shape[a] for a in axes]))
-  stacked = map_states(
-    lambda s: map_window(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), s),
-    opt_state,
-  )
-  specs = window_specs(stacked, axis_name)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
+    used = [a for a in jax.tree.leaves(tuple(_spec_on(leaf, mesh))) if a in axes]
+    if used:
+      raise ValueError(
+        f"stack_windows: the state leaf {jax.tree_util.keystr(path)} is sharded over "
+        f"{used}, the replicas' axis_name={axis_name!r}. Shard params and state over "
+        "another mesh axis (say 'fsdp'); axis_name holds one window per replica."
+      )
 
   def place(x, spec):
-    x = np.asarray(x)
-    sharding = NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    own = _spec_on(x, mesh)
+    if spec:  # a window leaf
+      return _place(x, mesh, PartitionSpec(axis_name, *own), n)
+    return _place(x, mesh, own, None)
 
-  return jax.tree.map(place, stacked, specs)
+  return jax.tree.map(place, opt_state, window_specs(opt_state, axis_name))
 
 
 def local_state(opt_state: PyTree) -> PyTree:

@@ -335,6 +335,9 @@ def _window_length(k: Any) -> jax.Array:
 def init(config: Config, params: PyTree) -> AccumulationState:
   """A fresh state: an empty window, zero counters, each feature's sub-state or ``EmptyState``."""
   pitfalls.check_params(params)
+  agg = config.aggregation
+  fp8 = "grad_amax_history" in agg.rules(params)
+  pitfalls.check_fp8_scale(fp8, agg.denominator is None, config.every_k)
   fdt = _numerics.scalar_dtype()
   # A fresh buffer per field: donating a state whose leaves share a buffer
   # fails ("Attempt to donate the same buffer twice").

@@ -258,6 +258,25 @@ def _expand(mask: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.reshape(mask, jnp.shape(mask) + (1,) * (jnp.ndim(x) - jnp.ndim(mask)))
 
 
+def batch_shares(agg: Aggregation, rules, weights, total, lanes) -> tuple[jax.Array, tuple]:
+  """In-step with FP8 leaves: each microbatch's share ``w_k / denominator`` and the rules of
+  gradients taken at the batch's scale (``'mean'`` summed, the FP8 history a plain max).
+
+  The backward pass quantizes each microbatch's output gradient with the batch's FP8 scale:
+  the gradient of the microbatch's *mean* loss would be ``1 / share`` times larger, and
+  saturate. ``total`` sums the weights over devices; ``lanes`` (``jit`` with ``axis_name``)
+  is refused.
+  """
+  if lanes or "sum" in rules:
+    raise ValueError(
+      "Flax FP8 leaves in-step need every microbatch's loss scaled by its share of the "
+      "batch: run under jax.shard_map (not jax.jit with axis_name), without 'sum' rules."
+    )
+  d = agg.value(total(jnp.sum(weights)), None)
+  at_batch_scale = {"mean": "sum", "grad_amax_history": "max"}
+  return _numerics.guarded_divide(weights, d), tuple(at_batch_scale.get(r, r) for r in rules)
+
+
 def finish(rules: tuple[str, ...], sums: PyTree, d: jax.Array) -> PyTree:
   """Each leaf's window value: ``'mean'`` divided by ``d``, ``'sum'`` as summed, the others
   as reduced (the FP8 history's newest entry divided by ``d``). The in-step path's division."""

@@ -188,14 +188,18 @@ def _value_and_grad(
     micro = _mesh.split_lanes(batch, cfg.num_microbatches, lanes, mesh, axes, cfg.strided)
   state0, args = _take_state(cfg, args)
   scale = _loss_scale.in_force(cfg.loss_scale)
-  one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, args, kwargs)
-  rules = cfg.aggregation.rules(params)
+  rules, shares = cfg.aggregation.rules(params), None
+  if "grad_amax_history" in rules:  # FP8: every microbatch's backward at the batch's scale
+    total = lambda t: _mesh.psum_sums(t, axes) if name == "shard_map" else t
+    weights = jax.vmap(functools.partial(_weight_of, cfg))(micro)
+    shares, rules = _aggregation.batch_shares(cfg.aggregation, rules, weights, total, lanes)
+  one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, shares, args, kwargs)
   if lanes:
     mode = _lanes(one, params, mesh, axes, cfg.strided, rules)
   else:
     mode = _local(one, name, mesh, axes, cfg.strided, rules)
-  sums, state, stacked = _scan(cfg, mode, micro, state0)
-  return _finish(cfg, mode, params, mode.reduce(sums), state, stacked, scale)
+  sums, state, stacked = _scan(cfg, mode, micro, state0, shares is not None)
+  return _finish(cfg, mode, params, mode.reduce(sums), state, stacked, scale, rules)
 
 
 def _differentiated(params: PyTree, name: str | None, mesh: Any, axes: tuple[str, ...]) -> PyTree:
@@ -245,16 +249,23 @@ def _scaled_loss(cfg: _Config, params, mb, scale, extra, kwargs):
   return scaled, (loss, aux, state)
 
 
-def _microbatch_fn(cfg: _Config, params, scale, args, kwargs) -> Callable:
-  """``one(mb, k, state, lane)``: microbatch ``k``'s ``(loss, aux, new_state, grads, weight)``."""
+def _weight_of(cfg: _Config, mb: PyTree) -> jax.Array:
+  """A microbatch's weight: ``weight_fn(mb)``, or its rows."""
+  w = jax.tree.leaves(mb)[0].shape[0] if cfg.weight_fn is None else cfg.weight_fn(mb)
+  return _checks.weight(w, "weight_fn(microbatch)")
+
+
+def _microbatch_fn(cfg: _Config, params, scale, shares, args, kwargs) -> Callable:
+  """``one(mb, k, state, lane)``: microbatch ``k``'s ``(loss, aux, new_state, grads, weight)``;
+  with ``shares``, the gradient of its loss times its share of the batch's weight."""
   grad_fn = jax.value_and_grad(functools.partial(_scaled_loss, cfg), has_aux=True)
 
   def one(mb, k, state, lane):
     kw = jax.tree.map(lambda x: _fold_key(x, k, lane), kwargs)
     extra = args if state is None else (state, *args)
-    (_, (loss, aux, new_state)), g = grad_fn(params, mb, scale, extra, kw)
-    w = jax.tree.leaves(mb)[0].shape[0] if cfg.weight_fn is None else cfg.weight_fn(mb)
-    return loss, aux, new_state, g, _checks.weight(w, "weight_fn(microbatch)")
+    s = scale if shares is None else shares[k] if scale is None else shares[k] * scale
+    (_, (loss, aux, new_state)), g = grad_fn(params, mb, s, extra, kw)
+    return loss, aux, new_state, g, _weight_of(cfg, mb)
 
   return one
 
@@ -350,8 +361,9 @@ def _zero_sums(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any) -> _Sums:
   return _Sums(grads, weight, mode.zeros(loss_s, loss_s.dtype), aux, noise)
 
 
-def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
-  """``lax.scan`` over the microbatches: ``(sums, last state, stacked (aux, w) or None)``."""
+def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any, shared: bool):
+  """``lax.scan`` over the microbatches: ``(sums, last state, stacked (aux, w) or None)``;
+  ``shared``: the gradients are at the batch's scale already (added with weight 1)."""
   stack = cfg.has_aux and cfg.aux_mode in ("stack", "concat")
   # 'sum': every microbatch's aux counts once, weight 0 or not: the batch's sum.
   aux_weight = (lambda w: w) if cfg.aux_mode == "mean" else jnp.ones_like
@@ -362,7 +374,9 @@ def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
     loss, aux, new_state, g, w = mode.grads_of(mb, k, state)
     noise = mode.add_noise(sums.noise, sums.grads, g, w) if sums.noise else ()
     sums = _Sums(
-      grads=mode.add_grads(sums.grads, g, w, sums.weight == 0),
+      grads=mode.add_grads(
+        sums.grads, g, (w != 0).astype(w.dtype) if shared else w, sums.weight == 0
+      ),  # fmt: skip
       weight=sums.weight + w,
       loss=mode.add(sums.loss, loss, w),
       aux=None if sums.aux is None else mode.add(sums.aux, aux, aux_weight(w)),
@@ -376,13 +390,11 @@ def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
   return sums, state, stacked
 
 
-def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scale):
+def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scale, rules):
   """The one division of the step (by the weight sum or the denominator) and the value's
   structure."""
   d = cfg.aggregation.value(sums.weight, None)
-  grads = optax.tree.cast_like(
-    _aggregation.finish(cfg.aggregation.rules(params), sums.grads, d), params
-  )
+  grads = optax.tree.cast_like(_aggregation.finish(rules, sums.grads, d), params)
   loss = _numerics.guarded_divide(sums.loss, d)
   if cfg.aux_mode == "stack":
     aux = None if stacked is None else mode.stack(*stacked)

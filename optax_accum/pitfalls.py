@@ -203,3 +203,31 @@ def check_state(opt_state: PyTree, state_type: type) -> None:
       "accumulate(optax.chain(..., optax.scale_by_schedule(s)), every_k), or give the inner "
       "optimizer the schedule: accumulate(optax.adamw(schedule), every_k)."
     )
+
+
+def check_fp8_scale(fp8: bool, weighted_mean: bool, every_k: Any) -> None:
+  """Warns when Flax FP8 meta meets windows of mean losses (``accumulate`` without a denominator).
+
+  The backward pass quantizes each microbatch's output gradient with the window's FP8 scale,
+  set for the whole window's gradient; the gradient of one microbatch's *mean* loss is
+  ``1 / share`` times larger and saturates. The fix: each microbatch's loss at the window's
+  scale (its sum over the window's weight, known in advance) with ``denominator=1``, or
+  :func:`optax_accum.microbatched_value_and_grad`, which does it (docs/aggregation.md).
+
+  Examples:
+    >>> import warnings, optax_accum
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   optax_accum.pitfalls.check_fp8_scale(True, True, 4)
+    >>> [w.category.__name__ for w in caught]
+    ['PitfallWarning']
+  """
+  if fp8 and weighted_mean and every_k != 1:
+    _warn(
+      "accumulate got Flax FP8 meta (the _overwrite_with_gradient collection) with windows "
+      "of mean losses: each microbatch's output gradient would be quantized with the whole "
+      "window's FP8 scale while being 1/share times larger, and saturate. Compute each "
+      "microbatch's loss at the window's scale (sum over the window's weight N, known in "
+      "advance: loss.sum() / N) and pass denominator=1, or use "
+      "optax_accum.microbatched_value_and_grad (docs/aggregation.md)."
+    )

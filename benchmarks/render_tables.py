@@ -1,12 +1,15 @@
 """Renders the README's performance tables from the benchmarks' JSON.
 
 The numbers in README.md between ``<!-- microstep-table:begin -->`` and
-``<!-- microstep-table:end -->`` (and the ``eager-table`` markers) are never
-edited by hand: run the benchmarks, then this script.
+``<!-- microstep-table:end -->`` (and the ``eager-table`` markers), in docs/in_step.md
+between the ``mesh-table`` markers and in docs/scaling.md between the ``hsdp-table``
+markers are never edited by hand: run the benchmarks, then this script.
 
   python benchmarks/microstep.py --sizes 4e6 16e6 --inner adam adamw --every-k 4 16 \\
       --out benchmarks/results/microstep.json
   python benchmarks/eager.py --out benchmarks/results/eager.json
+  python benchmarks/train_step.py --devices 8 --batch 64 --every-k 4 --seq-len 64 --dim 128 \\
+      --depth 2 --heads 4 --rounds 5 --out benchmarks/results/train_step_8dev.json
   python benchmarks/render_tables.py            # rewrites the README blocks
   python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
 """
@@ -22,7 +25,34 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 JSON = ROOT / "benchmarks" / "results" / "microstep.json"
 EAGER_JSON = ROOT / "benchmarks" / "results" / "eager.json"
+TRAIN_STEP_JSON = ROOT / "benchmarks" / "results" / "train_step_8dev.json"
 README = ROOT / "README.md"
+IN_STEP_DOC = ROOT / "docs" / "in_step.md"
+SCALING_DOC = ROOT / "docs" / "scaling.md"
+MESH = ("<!-- mesh-table:begin -->", "<!-- mesh-table:end -->")
+HSDP = ("<!-- hsdp-table:begin -->", "<!-- hsdp-table:end -->")
+# (key, label, where the collectives run) of train_step.py's mesh rows, in order.
+MESH_ROWS = [
+  ("physical", "physical batch, `jit`", "after the backward pass"),
+  (
+    "in_step_jit_per_microbatch",
+    "in-step, `jit`, no `axis_name` (before)",
+    "{loop} all-reduces in the scan body, {k} times",
+  ),
+  ("in_step_jit", 'in-step, `jit`, `axis_name="data"`', "one variadic all-reduce after the scan"),
+  ("in_step_shard_map", 'in-step, `shard_map`, `axis_name="data"`', "one psum after the scan"),
+  (
+    "across_step_shard_map",
+    "across-step, `shard_map`, `accumulate(axis_name=)`",
+    "in the boundary branch",
+  ),
+]
+HSDP_ROWS = [
+  ("physical", "physical batch, `jit`"),
+  ("across_step_jit", "across-step, plain `jit` with the mesh set (before)"),
+  ("across_step_shard_map", 'across-step, HSDP `shard_map`, `axis_name="replica"` (after)'),
+  ("in_step", 'in-step, `jit`, `axis_name="replica"`'),
+]
 BEGIN, END = "<!-- microstep-table:begin -->", "<!-- microstep-table:end -->"
 EAGER = ("<!-- eager-table:begin -->", "<!-- eager-table:end -->")
 EAGER_ROWS = [
@@ -140,17 +170,80 @@ def render_eager(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def _timing(v: dict[str, Any]) -> str:
+  return f"{v['window_ms']:.0f} ({v['window_p25_ms']:.0f}-{v['window_p75_ms']:.0f})"
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.1f} MiB"
+
+
+def _model(report: dict[str, Any]) -> str:
+  a = report["args"]
+  size = f"{report['num_params'] / 1e6:.2f}M"
+  return f"{size}-param transformer, B={a['batch']}, K={a['every_k']}, T={a['seq_len']}"
+
+
+def render_mesh(report: dict[str, Any]) -> str:
+  """docs/in_step.md's table of train_step.py's ``data``-axis mesh rows."""
+  rows, k = report["mesh"]["variants"], report["args"]["every_k"]
+  lines = [
+    f"| {_model(report)} | collectives per window | where | compiled temp"
+    " | ms per window, median (p25-p75) |",
+    "| --- | --- | --- | --- | --- |",
+  ]
+  for key, label, where in MESH_ROWS:
+    v = rows[key]
+    loop = sum(v["collectives"]["in_loop"].values())
+    lines.append(
+      f"| {label} | {v['collectives_per_window']} | {where.format(loop=loop, k=k)}"
+      f" | {_mib(v['temp_bytes'])} | {_timing(v)} |"
+    )
+  return "\n".join(lines)
+
+
+def render_hsdp(report: dict[str, Any]) -> str:
+  """docs/scaling.md's table of train_step.py's ``replica`` x ``fsdp`` rows."""
+  hsdp = report["hsdp"]
+  r, f = hsdp["mesh"]["replica"], hsdp["mesh"]["fsdp"]
+  lines = [
+    f"| {_model(report)}, replica {r} x fsdp {f} | collectives per window over `replica`"
+    " | over `replica`+`fsdp` | over `fsdp` | bytes across `replica` per window"
+    " | ms per window, median (p25-p75) |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
+  for key, label in HSDP_ROWS:
+    v = hsdp["variants"][key]
+    axes = v["collectives_per_window_by_axis"]
+    cells = [axes.get(a, 0) for a in ("replica", "replica+fsdp", "fsdp")]
+    cells += [f"{v['replica_bytes_per_window']:,}", _timing(v)]
+    lines.append(f"| {label} | " + " | ".join(str(c) for c in cells) + " |")
+  m = report["machine"]
+  lines += [
+    "",
+    f"{len(m['devices'])} fake CPU devices on a {m['cpu_count']}-core {m['processor']}, jax"
+    f" {m['jax']}: the times measure compute, not a network; the counts and bytes (each"
+    " device's data in the collectives whose device groups span `replica`, loop bodies counted"
+    " `K` times, the boundary once) are what carries over to accelerators. Source:"
+    " `benchmarks/results/train_step_8dev.json`, rendered by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
 def block(text: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
   """The README's current block between the markers."""
   start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
   return text[start:end].strip("\n")
 
 
-def tables() -> list[tuple[tuple[str, str], str]]:
-  """Each README block's markers and the table today's JSON renders to."""
+def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
+  """Each rendered block's page, its markers and the table today's JSON renders to."""
+  train_step = json.loads(TRAIN_STEP_JSON.read_text())
   return [
-    ((BEGIN, END), render(json.loads(JSON.read_text()))),
-    (EAGER, render_eager(json.loads(EAGER_JSON.read_text()))),
+    (README, (BEGIN, END), render(json.loads(JSON.read_text()))),
+    (README, EAGER, render_eager(json.loads(EAGER_JSON.read_text()))),
+    (IN_STEP_DOC, MESH, render_mesh(train_step)),
+    (SCALING_DOC, HSDP, render_hsdp(train_step)),
   ]
 
 
@@ -158,17 +251,15 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--check", action="store_true", help="exit 1 if the README disagrees")
   args = parser.parse_args(argv)
-  text = README.read_text()
-  for markers, table in tables():
+  for path, markers, table in tables():
+    text = path.read_text()
     if args.check:
       if block(text, markers) != table:
-        print(f"README.md's block {markers[0]} differs from the JSON: rerun this script.")
+        print(f"{path.name}'s block {markers[0]} differs from the JSON: rerun this script.")
         return 1
       continue
     start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
-    text = text[:start] + "\n" + table + "\n" + text[end:]
-  if not args.check:
-    README.write_text(text)
+    path.write_text(text[:start] + "\n" + table + "\n" + text[end:])
   return 0
 
 

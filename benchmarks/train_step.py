@@ -29,6 +29,12 @@ on a ``data`` axis and the params replicated:
 * ``in_step_jit``: the same with ``axis_name='data'`` (one reduction after the scan).
 * ``in_step_shard_map``: inside ``jax.shard_map`` with ``axis_name='data'``.
 
+With at least 4 devices, the ``hsdp`` rows (``benchmarks/train_step_hsdp.py``) run the window
+on a ``replica`` x ``fsdp`` mesh (``--replica`` replicas, 2 by default): physical batch,
+across-step under plain ``jit`` (before), across-step with the HSDP ``shard_map`` recipe
+(after) and in-step with ``axis_name='replica'``, each with its collectives per window by
+mesh axis and the bytes it moves across ``replica`` per window.
+
 Each mesh row reports the collectives of its compiled step(s) outside loops,
 in loop bodies and in conditionals
 (:func:`optax_accum.testing.count_collectives`) and ``collectives_per_window``:
@@ -78,8 +84,10 @@ from optax_accum.testing import count_collectives  # noqa: E402
 
 try:
   from benchmarks.microstep import fresh, machine, write_report  # noqa: E402
+  from benchmarks.train_step_hsdp import hsdp_runs  # noqa: E402
 except ImportError:  # run as a script: benchmarks/ is on sys.path
   from microstep import fresh, machine, write_report  # type: ignore[no-redef]  # noqa: E402
+  from train_step_hsdp import hsdp_runs  # type: ignore[no-redef]  # noqa: E402
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -237,6 +245,22 @@ def mesh_rows(args: Any, loss_fn: Any, params0: Any, window: Any, inner: Any) ->
   return time_runs(runs, params, args.rounds, _placed_copy)
 
 
+def model_and_window(args: Any) -> tuple[Any, Any, dict[str, jax.Array]]:
+  """``(loss_fn, params, window)``: the transformer's token loss, its params and ``B`` rows."""
+  model = CharTransformer(
+    seq_len=args.seq_len, dim=args.dim, depth=args.depth, heads=args.heads, rngs=nnx.Rngs(0)
+  )
+  graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
+  params0 = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params0))
+
+  def loss_fn(params, batch):
+    p = nnx.State(params)
+    return token_loss(nnx.merge(graphdef, p, rest), batch)
+
+  data = batches(args.seq_len, args.batch, max_files=4)
+  return loss_fn, params0, {key: jnp.asarray(v) for key, v in data[0].items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--batch", type=int, default=64, help="rows per window (B)")
@@ -246,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--depth", type=int, default=4)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=10, help="interleaved windows per variant")
+  parser.add_argument("--replica", type=int, default=2, help="replicas of the hsdp rows")
   parser.add_argument("--out", default=None)
   parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds")
   parser.add_argument(
@@ -262,18 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.batch % k:
     raise ValueError(f"--batch {args.batch} must be divisible by --every-k {k}")
 
-  model = CharTransformer(
-    seq_len=args.seq_len, dim=args.dim, depth=args.depth, heads=args.heads, rngs=nnx.Rngs(0)
-  )
-  graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
-  params0 = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params0))
-
-  def loss_fn(params, batch):
-    p = nnx.State(params)
-    return token_loss(nnx.merge(graphdef, p, rest), batch)
-
-  data = batches(args.seq_len, args.batch, max_files=4)
-  window = {key: jnp.asarray(v) for key, v in data[0].items()}
+  loss_fn, params0, window = model_and_window(args)
   micro = [jax.tree.map(lambda x, i=i: x[i::k], window) for i in range(k)]
   weights = [jnp.sum(m["mask"]) for m in micro]
 
@@ -344,6 +358,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mesh_variants = mesh_rows(args, loss_fn, params0, window, inner)
   else:
     mesh_variants = {}
+  hsdp = None
+  if jax.device_count() >= 2 * args.replica and jax.device_count() % args.replica == 0:
+    hsdp_mesh, hsdp_params, runs = hsdp_runs(loss_fn, params0, window, inner, k, args.replica)
+    hsdp = {
+      "mesh": dict(hsdp_mesh.shape),
+      "variants": time_runs(runs, hsdp_params, args.rounds, _placed_copy),
+    }
   num_params = int(sum(x.size for x in jax.tree.leaves(params0)))
   report = {
     "benchmark": "train_step",
@@ -353,10 +374,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "tokens_per_window": float(jnp.sum(window["mask"])),
     "variants": variants,
     "mesh": {"devices": jax.device_count(), "variants": mesh_variants} if mesh_variants else None,
+    "hsdp": hsdp,
     "skipped": skipped,
   }
-  for name, v in [*variants.items(), *((f"mesh {n}", v) for n, v in mesh_variants.items())]:
-    per_window = v.get("collectives_per_window")
+  hsdp_variants = ((f"hsdp {n}", v) for n, v in (hsdp or {"variants": {}})["variants"].items())
+  mesh_rows_ = ((f"mesh {n}", v) for n, v in mesh_variants.items())
+  for name, v in [*variants.items(), *mesh_rows_, *hsdp_variants]:
+    per_window = v.get("collectives_per_window", v.get("collectives_per_window_by_axis"))
     print(
       f"{name:36s} {v['window_ms']:8.1f} ms/window  temp {v['temp_bytes'] / 2**20:7.2f} MiB"
       + ("" if per_window is None else f"  collectives/window {per_window}"),

@@ -43,6 +43,24 @@ def python_blocks(path: pathlib.Path) -> list[tuple[str, bool]]:
   ]
 
 
+def section_blocks(path: pathlib.Path, word: str) -> list[str]:
+  """The runnable Python blocks of the section of ``path`` whose heading contains ``word``.
+
+  The section runs from its heading to the next heading of the same or a higher level.
+  """
+  lines = path.read_text().splitlines(keepends=True)
+  levels, in_fence = [], False  # a comment line inside a code block is no heading
+  for line in lines:
+    fence = line.lstrip().startswith("```")
+    heading = re.match(r"(#{1,6}) ", line)
+    levels.append(len(heading[1]) if heading and not (in_fence or fence) else 0)
+    in_fence ^= fence
+  start = next(i for i, line in enumerate(lines) if levels[i] and word in line)
+  end = next((i for i in range(start + 1, len(lines)) if 0 < levels[i] <= levels[start]), None)
+  text = "".join(lines[start:end])
+  return [textwrap.dedent(m["body"]) for m in _FENCE.finditer(text) if not m["marker"]]
+
+
 def run_blocks(path, blocks, checks, tmp_path, timeout=600):
   """Runs ``blocks`` (with ``checks[i]`` after block i) in a fresh interpreter; returns stdout.
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _markdown import ROOT, section_blocks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -176,3 +177,56 @@ def test_in_step_reduces_over_replica_once_per_step(spelling):
   ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params0, batches[0])
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
   assert rel(grads, ref_grads) < 1e-6
+
+
+def docs_hsdp_block() -> dict:
+  """Runs docs/scaling.md's one Python block of its HSDP section; returns its namespace."""
+  blocks = section_blocks(ROOT / "docs" / "scaling.md", "HSDP")
+  assert len(blocks) == 1, len(blocks)
+  namespace = {"__name__": "docs_hsdp"}
+  exec(compile(blocks[0], "docs/scaling.md, HSDP block", "exec"), namespace)
+  return namespace
+
+
+@_compat.requires(jax.lax, "pcast", "JAX 0.8")  # the page spells jax.lax.pcast
+def test_docs_hsdp_block_reduces_over_replica_once_per_window_and_equals_one_device():
+  ns = docs_hsdp_block()
+  mesh, k, train_step = ns["mesh"], ns["K"], ns["train_step"]
+  params, opt_state, batch = ns["params"], ns["opt_state"], ns["batch"]
+  assert dict(mesh.shape) == {"replica": 2, "fsdp": 4} and k == 4
+  assert int(optax_accum.metrics(opt_state).mini_step) == 1  # the block ran one microstep
+
+  text = train_step.lower(params, opt_state, batch).compile().as_text()
+  counts = count_collectives(text, mesh)
+  assert by_axis(counts["outside"], "replica") == 0, counts  # a non-boundary microstep: none
+  assert by_axis(counts["in_loop"], "replica") == 0, counts
+  replica = {key: n for key, n in counts["in_conditional"].items() if "replica" in key[1]}
+  # the window sums of w and b, the weight, value and value-weight sums in one psum
+  assert replica == {("all-reduce", ("replica",)): _compat.all_reduces_per_psum(5)}, counts
+  assert counts["outside"][("all-gather", ("fsdp",))] >= 1, counts  # fsdp: every microstep
+  fsdp_reductions = [("all-reduce", ("fsdp",)), ("reduce-scatter", ("fsdp",))]
+  assert sum(counts["outside"][key] for key in fsdp_reductions) >= 1, counts
+  data = count_collectives(text, mesh, unit="bytes")["in_conditional"]
+  shard = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+  assert data[("all-reduce", ("replica",))] == shard + 3 * 4  # 3 float32 scalars
+
+  # Two windows from the block's state (one microbatch in) vs one device on the global batch.
+  params0 = jax.tree.map(np.asarray, params)
+  rng = np.random.default_rng(1)
+  host = [jax.tree.map(np.asarray, batch)]
+  host += [jax.tree.map(lambda x: rng.permutation(x), host[0]) for _ in range(2 * k - 1)]
+  for b in host[1:]:
+    params, opt_state = train_step(params, opt_state, jax.device_put(b, batch["x"].sharding))
+  ref_tx = optax_accum.accumulate(ns["inner"], every_k=k)
+  ref_params = jax.tree.map(jnp.asarray, params0)
+  ref_state = ref_tx.init(ref_params)
+  for b in host:
+    loss, grads = jax.value_and_grad(ns["loss_fn"])(ref_params, b)
+    updates, ref_state = ref_tx.update(grads, ref_state, ref_params, weight=b["mask"].sum())
+    ref_params = optax.apply_updates(ref_params, updates)
+  assert int(opt_state.num_updates) == int(ref_state.num_updates) == 2
+  assert rel(params, ref_params) < 1e-6, rel(params, ref_params)
+  assert np.abs(params["w"] - params0["w"]).min() > 1e-3  # every weight moved
+  adam, ref_adam = opt_state.inner_state[0], ref_state.inner_state[0]  # the averaged gradients
+  assert rel(adam.mu, ref_adam.mu) < 1e-6 and rel(adam.nu, ref_adam.nu) < 1e-6
+  assert params["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from optax_accum import (
+  _aggregation,
   _buffers,
   _checks,
   _guard,
@@ -121,6 +122,10 @@ def accumulate(
   axis_name: str | tuple[str, ...] | None = None,
   noise_scale_decay: float | None = None,
   skip_if: Any = None,
+  denominator: float | Callable[[jax.Array], Any] | None = None,
+  apply_empty: bool = False,
+  reduce: Any = None,
+  overwrite: bool = True,
 ) -> Accumulation:
   """Accumulates weighted microbatch gradients and runs ``inner`` once per window.
 
@@ -160,6 +165,22 @@ def accumulate(
     skip_if: None, :func:`optax_accum.spike_rule`, a callable of the window's statistics
       (``grad_norm``, ``loss``, ``has_loss``, ``weight``, ``num_updates``, 0-d) returning
       True to skip a finite window (counted in ``num_spikes``), or a tuple. docs/guards.md.
+    denominator: None (default): divide the window's weighted sum by its weight sum. A
+      number > 0, or a callable of ``num_updates`` (int32) returning one: divide by it
+      whatever the realized weight (DP-SGD's expected batch size, a token count known in
+      advance; global under ``axis_name``); ``1``: the plain sum ``sum_i w_i g_i``. The
+      window's ``value`` (loss) is divided the same way. docs/aggregation.md.
+    apply_empty: with a fixed ``denominator``, run the inner optimizer on the zero mean of
+      an empty window (weight 0: DP-SGD's noise is still added) instead of skipping it.
+    reduce: per-leaf rules, a rule or a tree prefix of the params with one per subtree (or
+      a callable of the params tree returning one): ``'mean'`` (by the denominator),
+      ``'sum'`` (``sum_i w_i g_i``), ``'max'`` (elementwise, over the microbatches with
+      weight > 0), ``'last'``, ``'grad_amax_history'`` (an FP8 amax history of a
+      gradient, newest entry first: that entry is ``max_i w_i x_i / denominator``). None:
+      ``'mean'``, and Flax's FP8 rule in its ``_overwrite_with_gradient`` collection.
+    overwrite: leaves reduced by max, last or the FP8 rule are overwritten with their window
+      value at an applied boundary (Flax's rule for that collection; exact on the fused
+      path, ``value - param`` from ``tx.update``) instead of going through ``inner``.
 
   Returns:
     An :class:`Accumulation` (state: :class:`AccumulationState`, finite while the gradients
@@ -190,6 +211,7 @@ def accumulate(
   config = _config(
     inner, every_k, window_weight, window_weight_of, accumulator_dtype, loss_scale, clip_norm,
     skip_nonfinite, axis_name, noise_scale_decay, skip_if,
+    _aggregation.check(denominator, apply_empty, reduce, overwrite),
   )  # fmt: skip
 
   def init_fn(params):
@@ -211,6 +233,7 @@ class Config(NamedTuple):
   axis_name: str | tuple[str, ...] | None
   noise_decay: float | None
   guard: tuple[Any, ...]
+  aggregation: _aggregation.Aggregation
 
   @property
   def fingerprint(self) -> Fingerprint:
@@ -234,7 +257,7 @@ class Config(NamedTuple):
 
 def _config(inner, every_k, window_weight, window_weight_of, accumulator_dtype, loss_scale,
             clip_norm, skip_nonfinite, axis_name, noise_scale_decay,
-            skip_if) -> Config:  # fmt: skip
+            skip_if, aggregation) -> Config:  # fmt: skip
   """Validates ``accumulate``'s arguments, each with an error naming it and the fix."""
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise TypeError(
@@ -250,6 +273,11 @@ def _config(inner, every_k, window_weight, window_weight_of, accumulator_dtype, 
   if not isinstance(skip_nonfinite, (bool, np.bool_)):
     raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
   _checks.axis_names(axis_name)
+  if noise_scale_decay is not None and aggregation != _aggregation.check(None, False, None, True):
+    raise ValueError(
+      "noise_scale_decay estimates the noise of a weighted mean: it cannot be combined with "
+      "denominator=, apply_empty= or reduce=. Leave one of them out."
+    )
   return Config(
     inner=optax.with_extra_args_support(inner),
     every_k=every_k,
@@ -261,6 +289,7 @@ def _config(inner, every_k, window_weight, window_weight_of, accumulator_dtype, 
     axis_name=axis_name,
     noise_decay=_noise_scale.check_decay(noise_scale_decay),
     guard=_guard.check_skip_if(skip_if),
+    aggregation=aggregation,
   )
 
 
@@ -338,6 +367,9 @@ def init(config: Config, params: PyTree) -> AccumulationState:
     token_budget=on(config.budget is not None, ww.init_state),
     noise_scale=on(config.noise_decay is not None, _noise_scale.init_state),
     guard=on(bool(config.guard), lambda: _guard.init_state(config.guard)),
-    inner_state=pitfalls.check_inner_state(config.inner.init(params), AccumulationState),
+    aggregation=config.aggregation.init_state(params),
+    inner_state=pitfalls.check_inner_state(
+      config.aggregation.inner_for(config.inner, params).init(params), AccumulationState
+    ),
   )
   return _vma.per_device_window(state, config.axis_name)

@@ -147,6 +147,11 @@ class UpdatesOut(NamedTuple):
     del params
     return _own(updates, self.fits), stash(updates, grad_sum, self.fits)
 
+  def overwrite(self, split, out: PyTree, values: PyTree, params: PyTree, keep) -> PyTree:
+    """Overwritten leaves (``reduce=``): their updates are already ``value - param``."""
+    del split, values, params, keep
+    return out
+
   def skipped(self, params: PyTree, grad_sum: PyTree, flag: jax.Array) -> tuple[PyTree, PyTree]:
     """A skipped or empty window: zeros out, and zeros in the accumulator (nothing stays)."""
     return self.between(params, flag), distinct_zeros(grad_sum, flag)
@@ -177,6 +182,10 @@ class ParamsOut(NamedTuple):
     """``params + updates``, written by the inner optimizer's last pass."""
     del grad_sum
     return optax.apply_updates(params, updates), None
+
+  def overwrite(self, split, out: PyTree, values: PyTree, params: PyTree, keep) -> PyTree:
+    """Overwritten leaves (``reduce=``) set to their window value exactly, not ``p + (v - p)``."""
+    return split.overwrite_params(out, values, params, keep)
 
   def skipped(self, params: PyTree, grad_sum: PyTree, flag: jax.Array) -> tuple[PyTree, None]:
     """A skipped or empty window: the params unchanged."""

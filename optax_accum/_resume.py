@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_accum import _aggregation
 from optax_accum._sharding import state_shardings
 from optax_accum._state import (
   Fingerprint,
@@ -86,9 +87,15 @@ def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[Fing
 
   def fields():
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    return [(s.every_k, s.loss_scale) for s in find_states(tx.init(zeros))]
+    return [(s.every_k, s.loss_scale, s.aggregation) for s in find_states(tx.init(zeros))]
 
-  return [fingerprint_of(k, ls) for k, ls in jax.jit(fields)()]
+  return [_fingerprint(*f) for f in jax.jit(fields)()]
+
+
+def _fingerprint(every_k: Any, loss_scale: Any, aggregation: Any) -> Fingerprint | None:
+  """A state's fingerprint, its aggregation rules included (None while traced)."""
+  fp = fingerprint_of(every_k, loss_scale)
+  return None if fp is None else fp._replace(aggregation=_aggregation.fingerprint(aggregation))
 
 
 # Leaves only the previous release's flat state had (optax_accum 0.2).
@@ -261,7 +268,7 @@ def check_compatible(
       "optimizer, accumulator_dtype and param dtypes), or start a fresh optimizer state "
       "with tx.init(params) and keep only the params."
     )
-  restored = [fingerprint_of(s.every_k, s.loss_scale) for s in find_states(state)]
+  restored = [_fingerprint(s.every_k, s.loss_scale, s.aggregation) for s in find_states(state)]
   if restored and None not in restored:
     expected_fp = _fingerprints(tx, params)
     where = lambda i: f"accumulate state {i}: " if len(expected_fp) > 1 else ""

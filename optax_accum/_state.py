@@ -63,6 +63,9 @@ class AccumulationState(NamedTuple):
     loss_scale, token_budget, noise_scale, guard: the sub-states of ``loss_scale=``,
       ``window_weight=``, ``noise_scale_decay=`` and ``skip_if=`` (``LossScaleState``,
       ``TokenBudgetState``, ``NoiseScaleState``, ``GuardState``); ``EmptyState()`` when off.
+    aggregation: with ``denominator=``, ``apply_empty=``, ``reduce=`` or leaves whose
+      default rule is not the mean (Flax's FP8 collection), an ``AggregationState`` (the
+      rules' fingerprint); ``EmptyState()`` otherwise.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -92,6 +95,7 @@ class AccumulationState(NamedTuple):
   token_budget: Any
   noise_scale: Any
   guard: Any
+  aggregation: Any
   inner_state: PyTree
 
   @property
@@ -174,11 +178,14 @@ class Fingerprint(NamedTuple):
     every_k: the fixed window length, 0 when windows are not a fixed count.
     loss_scale: ``None``, ``'static'`` or ``'dynamic'``.
     static_scale: the static loss scale's value (None otherwise).
+    aggregation: ``(denominator, rules, apply_empty, overwrite)`` of a non-default
+      aggregation (``_aggregation.fingerprint``), None for the weighted mean.
   """
 
   every_k: int
   loss_scale: str | None
   static_scale: float | None
+  aggregation: tuple | None = None
 
 
 def fingerprint_of(every_k: Any, loss_scale: Any) -> Fingerprint | None:
@@ -214,7 +221,24 @@ def fingerprint_problems(got: Fingerprint, want: Fingerprint) -> list[str]:
       f"the state's static loss scale is {got.static_scale}, the transformation's "
       f"{want.static_scale} (the open window's gradients were scaled by the old value)"
     )
+  if got.aggregation != want.aggregation:
+    problems.append(
+      f"the state was made with {_aggregation_words(got.aggregation)}, the transformation "
+      f"has {_aggregation_words(want.aggregation)}"
+    )
   return problems
+
+
+def _aggregation_words(fp: tuple | None) -> str:
+  """An aggregation fingerprint in words."""
+  if fp is None:
+    return "the default aggregation (the weighted mean of every leaf)"
+  d, rules, apply_empty, overwrite = fp
+  den = "the weight sum" if d == 0 else "a schedule" if d < 0 else f"{d:g}"
+  return (
+    f"denominator {den}, per-leaf rules {list(rules)}, apply_empty={apply_empty}, "
+    f"overwrite={overwrite}"
+  )
 
 
 def raise_on_problems(problems: list[str], what: str) -> None:

@@ -20,7 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _buffers, _checks, _guard, _loss_scale, _noise_scale, _numerics, _vma
+from optax_accum import (
+  _aggregation,
+  _buffers,
+  _checks,
+  _guard,
+  _loss_scale,
+  _noise_scale,
+  _numerics,
+  _vma,
+)
 from optax_accum import _state as st
 from optax_accum import _weight_count as wc
 from optax_accum import _window_weight as ww
@@ -49,6 +58,10 @@ def _check_args(weight, flush, value) -> tuple[jax.Array, jax.Array, jax.Array |
   if value is not None:
     value = _checks.scalar(value, "value", "the scalar loss of the microbatch")
   return _checks.weight(weight), _checks.flag(flush, "flush"), value
+
+
+def _is_traced(tree: PyTree) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _concrete(tree: PyTree) -> bool:
@@ -110,8 +123,9 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
 def add_microbatch(config, state, grads, w, value) -> st.Window:
   """The open window with this microbatch added: ``grad_sum += w * g``, ``weight_sum += w``."""
   window = state.window
+  rules = config.aggregation.rules(grads)
   new = window._replace(
-    grad_sum=_numerics.weighted_add(state.window_sum, grads, w),
+    grad_sum=_aggregation.add(rules, state.window_sum, grads, w, window.weight_sum == 0),
     weight_sum=window.weight_sum + w,
   )
   if value is not None:
@@ -133,20 +147,21 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   and sub-states after the window (``window`` and ``inner_state`` None).
   """
   grad_sum, inner_state = operands
+  agg = config.aggregation
+  split = _aggregation.Split.of(agg, grad_sum)
   sums = window._replace(grad_sum=grad_sum)
-  if config.axis_name is not None:  # the window's one all-reduce
-    sums = jax.lax.psum(sums, config.axis_name)
+  if config.axis_name is not None:  # the window's all-reduce (a pmax first for max/last leaves)
+    sums = _all_reduce(split.rules, sums, config.axis_name)
   scale = header.loss_scale.scale if config.loss_scale is not None else jnp.ones((), jnp.float32)
-  denom = sums.weight_sum * scale.astype(sums.weight_sum.dtype)
-  norm, finite = _numerics.norm_and_finite(sums.grad_sum, denom)
+  d = agg.value(sums.weight_sum, header.num_updates)  # the weight sum, or the fixed denominator
+  norm, finite = split.norm_and_finite(sums.grad_sum, d, scale)
   empty = sums.weight_sum == 0
   has_norm = ~empty & finite  # a NaN/Inf mean has no norm (an fp16 overflow has one)
   # The mean goes to the inner optimizer in dtypes.mean: it must fit there too.
-  finite = finite & _numerics.fits(sums.grad_sum, denom, norm, config.clip_norm, dtypes.mean)
+  finite = finite & split.fits(sums.grad_sum, d, scale, norm, config.clip_norm, dtypes.mean)
   has_value = sums.value_weight > 0
-  window_value = jnp.where(
-    has_value, _numerics.guarded_divide(sums.value_sum, sums.value_weight), 0
-  )
+  value_denom = sums.value_weight if agg.denominator is None else d
+  window_value = jnp.where(has_value, _numerics.guarded_divide(sums.value_sum, value_denom), 0)
   fdt = _numerics.scalar_dtype()
   stats = _guard.WindowStats(
     norm.astype(fdt), window_value.astype(fdt), has_value, sums.weight_sum, header.num_updates
@@ -154,16 +169,19 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   spike = jnp.zeros((), jnp.bool_)
   if config.guard:  # a finite window the guard skips: nothing but num_spikes changes
     spike = ~empty & finite & _guard.judge(config.guard, header.guard, stats)
-  apply = ~empty & (finite | (not config.skip_nonfinite)) & ~spike
+  runs = ~empty | agg.apply_empty  # a fixed denominator may apply an empty window (DP-SGD)
+  apply = runs & (finite | (not config.skip_nonfinite)) & ~spike
   inner_args = dict(extra)
   if value is not None:
     inner_args["value"] = jnp.where(has_value, window_value, jnp.nan)
 
   def run_inner(ops):
     grad_sum, inner_state = ops
-    mean = _numerics.window_mean(sums.grad_sum, denom, norm, config.clip_norm, dtypes.mean)
+    mean = split.window_values(sums.grad_sum, d, scale, norm, config.clip_norm, dtypes.mean)
     updates, new_inner, ok = _inner_update(config, dtypes, mean, inner_state, params, inner_args)
+    updates = split.overwrite_updates(updates, mean, params, empty)  # max/last: value - param
     out, grad_sum = place.applied(updates, params, grad_sum)
+    out = place.overwrite(split, out, mean, params, empty)  # exact on the fused path
     return out, grad_sum, new_inner, jnp.ones_like(apply) if ok is None else ok
 
   def keep_inner(ops):
@@ -207,6 +225,21 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   return out, new_sum, inner_state, header
 
 
+def _all_reduce(rules: tuple[str, ...], sums: st.Window, axis_name) -> st.Window:
+  """The window summed over ``axis_name`` (one variadic ``psum``; max/last leaves: a ``pmax``
+  first, ``_aggregation.reduce_devices``)."""
+  grads, rest = _aggregation.reduce_devices(
+    rules,
+    sums.grad_sum,
+    sums._replace(grad_sum=None),
+    sums.weight_sum > 0,
+    jax.lax.axis_index(axis_name),
+    lambda t: jax.lax.psum(t, axis_name),
+    lambda t: jax.lax.pmax(t, axis_name),
+  )
+  return rest._replace(grad_sum=grads)
+
+
 def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
   """The inner optimizer once, its updates cast like plain ``inner``'s; ``ok`` if they are finite.
 
@@ -214,7 +247,8 @@ def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
   a non-finite update or state skips the window: selected leafwise (XLA fuses the select into
   the inner optimizer's passes; a nested cond would copy the inner state).
   """
-  updates, new_inner = config.inner.update(mean, inner_state, params, **inner_args)
+  inner = config.aggregation.inner_for(config.inner, mean)
+  updates, new_inner = inner.update(mean, inner_state, params, **inner_args)
   updates = optax.tree.cast_like(updates, dtypes.updates)
   new_inner = optax.tree.cast_like(new_inner, inner_state)  # an fp16 moment stays fp16
   ok = None
@@ -242,8 +276,9 @@ class Dtypes(NamedTuple):
     inner_args = dict(extra)
     if value is not None:
       inner_args["value"] = jnp.zeros((), _numerics.scalar_dtype())
+    inner = config.aggregation.inner_for(config.inner, grads)
     plain = jax.eval_shape(
-      lambda g, s, p: config.inner.update(g, s, p, **inner_args)[0],
+      lambda g, s, p: inner.update(g, s, p, **inner_args)[0],
       grads,
       state.inner_state,
       params,
@@ -270,14 +305,19 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
     ("token_budget", config.budget is not None, "window_weight"),
     ("noise_scale", config.noise_decay is not None, "noise_scale_decay"),
     ("guard", bool(config.guard), "skip_if"),
+    ("aggregation", config.aggregation.active(grads), "denominator=, apply_empty=, reduce="),
   )
   problems = []
   for field, on, arg in features:
     if isinstance(getattr(state, field), optax.EmptyState) == on:
       problems.append(f"the state {'lacks' if on else 'has'} the sub-state of {arg}=")
   got = st.fingerprint_of(state.every_k, state.loss_scale)
-  if got is not None and not problems:
-    problems = st.fingerprint_problems(got, config.fingerprint)
+  if got is not None and not problems and not _is_traced(state.aggregation):
+    got = got._replace(aggregation=_aggregation.fingerprint(state.aggregation))
+    want = config.fingerprint._replace(
+      aggregation=_aggregation.fingerprint(config.aggregation.init_state(grads))
+    )
+    problems = st.fingerprint_problems(got, want)
   st.raise_on_problems(problems, "This optimizer state")
   check_trees(grads, state.window.grad_sum, params, config.accumulator_dtype)
   _vma.check_replicated(params, config.axis_name)

@@ -33,10 +33,7 @@ CHECKS = {
       " len(y))))\n"
       "for i in range(0, len(data), K):\n"
       "  ref = phys(ref, *(np.concatenate(p) for p in zip(*data[i:i + K])))\n"
-      "same = jax.tree.map(np.array_equal, state.params['_overwrite_with_gradient'],"
-      " ref.params['_overwrite_with_gradient'])\n"
-      "assert all(jax.tree.leaves(same)), same\n"
-      "ours, theirs = state.params['params'], ref.params['params']\n"
+      "ours, theirs = state.params, ref.params  # meta and params, to float32 rounding\n"
       "for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):\n"
       "  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)\n",
     ),

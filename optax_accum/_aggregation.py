@@ -163,6 +163,23 @@ def check(denominator: Any, apply_empty: Any, reduce: Any, overwrite: Any) -> Ag
   return Aggregation(denominator, bool(apply_empty), reduce, bool(overwrite))
 
 
+def check_in_step(denominator: Any, reduce: Any, noise_scale: bool) -> Aggregation:
+  """``microbatched_value_and_grad``'s aggregation: a denominator value (may be a 0-d array)."""
+  if callable(denominator):
+    raise TypeError(
+      "microbatched_value_and_grad takes a denominator value (a number or a 0-d array), "
+      "not a schedule: pass denominator=schedule(step) for this step."
+    )
+  if noise_scale and (denominator is not None or reduce is not None):
+    raise ValueError(
+      "noise_scale=True estimates the noise of a weighted mean: leave out denominator= and "
+      "reduce=, or noise_scale."
+    )
+  traced = isinstance(denominator, jax.Array)
+  aggregation = check(None if traced else denominator, False, reduce, True)
+  return aggregation._replace(denominator=denominator) if traced else aggregation
+
+
 def fingerprint(sub: Any) -> tuple | None:
   """The comparable values of an :class:`AggregationState` (None for ``EmptyState``)."""
   if not isinstance(sub, AggregationState):
@@ -170,16 +187,6 @@ def fingerprint(sub: Any) -> tuple | None:
   rules = tuple(RULES[int(c)] for c in np.asarray(sub.rules).reshape(-1))
   flags = (bool(np.asarray(sub.apply_empty)), bool(np.asarray(sub.overwrite)))
   return (float(np.asarray(sub.denominator)), rules, *flags)
-
-
-def describe(fp: tuple | None) -> str:
-  """A fingerprint in words, for the one mismatch message."""
-  if fp is None:
-    return "the default aggregation (weighted mean)"
-  d, rules, apply_empty, overwrite = fp
-  den = "the weight sum" if d == 0 else "a schedule" if d == _CALLABLE else f"{d:g}"
-  kinds = sorted(set(rules))
-  return f"denominator {den}, rules {kinds}, apply_empty={apply_empty}, overwrite={overwrite}"
 
 
 # ------------------------------------------------------------------ the window's arithmetic
@@ -232,7 +239,9 @@ def reduce_devices(rules, grads, rest, has, index, psum, pmax):
   leaves, treedef = jax.tree.flatten(grads)
   low = lambda x: jnp.where(_expand(has, x), x, jnp.asarray(jnp.finfo(x.dtype).min, x.dtype))
   maxed = {i: low(x) for i, (r, x) in enumerate(zip(rules, leaves, strict=True)) if r in MAX_LIKE}
-  mine = jnp.where(has, index, -1) if "last" in rules else None
+  # The device index rides in the max leaves' all-reduce as a float (exact below 2**24).
+  dtype = next((leaves[i].dtype for i in maxed), jnp.float32)
+  mine = jnp.where(has, index, -1).astype(dtype) if "last" in rules else None
   maxed, top = pmax((maxed, mine))
   summed = {i: x for i, (r, x) in enumerate(zip(rules, leaves, strict=True)) if r in SUMMED}
   for i, r in enumerate(rules):
@@ -247,6 +256,18 @@ def reduce_devices(rules, grads, rest, has, index, psum, pmax):
 def _expand(mask: jax.Array, x: jax.Array) -> jax.Array:
   """``mask`` with trailing unit axes to broadcast against ``x`` (a lane axis leads both)."""
   return jnp.reshape(mask, jnp.shape(mask) + (1,) * (jnp.ndim(x) - jnp.ndim(mask)))
+
+
+def finish(rules: tuple[str, ...], sums: PyTree, d: jax.Array) -> PyTree:
+  """Each leaf's window value: ``'mean'`` divided by ``d``, ``'sum'`` as summed, the others
+  as reduced (the FP8 history's newest entry divided by ``d``). The in-step path's division."""
+  if all(r == "mean" for r in rules):
+    return _numerics.guarded_divide(sums, d)
+  leaves, treedef = jax.tree.flatten(sums)
+  value = lambda r, x: (
+    _numerics.guarded_divide(x, d) if r == "mean" else x if r == "sum" else finish_other(r, x, d)
+  )
+  return jax.tree.unflatten(treedef, [value(r, x) for r, x in zip(rules, leaves, strict=True)])
 
 
 def finish_other(rule: str, x: jax.Array, denom: jax.Array) -> jax.Array:

@@ -6,13 +6,13 @@ The policy lives in ``accumulate``'s closure; the scale and streak in :class:`Lo
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _checks
+from optax_accum import _checks, _numerics
 
 # The scale lives in a float32 state: anything above this would be inf there.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -259,3 +259,22 @@ def dynamic_loss_scale(
   return DynamicLossScale(
     init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale
   )
+
+
+def in_force(loss_scale: Any) -> jax.Array | None:
+  """The loss scale in force as a float32 scalar; a concrete one must be finite and > 0."""
+  if loss_scale is None:
+    return None
+  if isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+    raise TypeError(
+      "microbatched_value_and_grad takes the loss scale in force (a number), not a loss-scale "
+      "policy: pass loss_scale=optax_accum.get_loss_scale(opt_state) and give the policy "
+      f"({type(loss_scale).__name__}) to accumulate(..., loss_scale=...)."
+    )
+  if not isinstance(loss_scale, jax.core.Tracer):
+    if not 0 < float(np.asarray(loss_scale)) < float("inf"):
+      raise ValueError(
+        f"loss_scale must be a finite number > 0, got {loss_scale}. Pass None for no "
+        "scaling, or optax_accum.get_loss_scale(opt_state)."
+      )
+  return jnp.asarray(loss_scale, _numerics.scalar_dtype())

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _aux, _checks, _loss_scale, _noise_scale, _numerics
+from optax_accum import _aggregation, _aux, _checks, _loss_scale, _noise_scale, _numerics
 from optax_accum import _microbatch_mesh as _mesh
 from optax_accum._microbatch_mesh import split_batch
 
@@ -37,6 +37,7 @@ class _Config(NamedTuple):
   loss_scale: Any
   accumulator_dtype: Any
   noise_scale: bool
+  aggregation: _aggregation.Aggregation
 
 
 class _Sums(NamedTuple):
@@ -56,6 +57,7 @@ class _Mode(NamedTuple):
 
   grads_of: Callable  # (microbatch, k, state) -> (loss, aux, new_state, grads, weight)
   add: Callable  # _numerics.weighted_add (per lane under jit with axis_name)
+  add_grads: Callable  # _aggregation.add with the leaves' rules, likewise
   add_noise: Callable  # _noise_scale.add, likewise
   zeros: Callable  # (struct, dtype) -> zeros typed and placed like a carry of struct
   reduce: Callable  # the one reduction of the _Sums over devices, after the scan
@@ -63,25 +65,6 @@ class _Mode(NamedTuple):
   stack: Callable  # (aux, weights) stacked per microbatch -> the aux_mode='stack' aux
   concat: Callable  # per-example aux stacked per microbatch -> [B, ...] in the batch's order
   lead: int  # leading lane dimensions of what grads_of returns (1 under jit with axis_name)
-
-
-def _scale_value(loss_scale: Any) -> jax.Array | None:
-  """The loss scale in force as a float32 scalar; a concrete one must be finite and > 0."""
-  if loss_scale is None:
-    return None
-  if isinstance(loss_scale, (_loss_scale.StaticLossScale, _loss_scale.DynamicLossScale)):
-    raise TypeError(
-      "microbatched_value_and_grad takes the loss scale in force (a number), not a loss-scale "
-      "policy: pass loss_scale=optax_accum.get_loss_scale(opt_state) and give the policy "
-      f"({type(loss_scale).__name__}) to accumulate(..., loss_scale=...)."
-    )
-  if not isinstance(loss_scale, jax.core.Tracer):
-    if not 0 < float(np.asarray(loss_scale)) < float("inf"):
-      raise ValueError(
-        f"loss_scale must be a finite number > 0, got {loss_scale}. Pass None for no "
-        "scaling, or optax_accum.get_loss_scale(opt_state)."
-      )
-  return jnp.asarray(loss_scale, _numerics.scalar_dtype())
 
 
 def microbatched_value_and_grad(
@@ -97,6 +80,8 @@ def microbatched_value_and_grad(
   loss_scale: Any = None,
   accumulator_dtype: Any = None,
   noise_scale: bool = False,
+  denominator: Any = None,
+  reduce: Any = None,
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
@@ -129,6 +114,12 @@ def microbatched_value_and_grad(
     accumulator_dtype: the carry's dtype; default ``promote_types(dtype, float32)``.
       Gradients come back in the params' dtypes.
     noise_scale: also return the batch's ``NoiseEstimate`` (docs/noise_scale.md).
+    denominator: None: divide by the batch's weight; a number > 0 (or a 0-d array):
+      divide the loss and the gradient's weighted sum by it (``1``: the sum), as
+      ``accumulate(denominator=...)``; global under ``axis_name``.
+    reduce: per-leaf rules, as ``accumulate(reduce=...)`` (default: ``'mean'``, and Flax's
+      FP8 rule in its ``_overwrite_with_gradient`` collection): a max, last or FP8 leaf
+      comes back as its reduced value (the FP8 meta one physical batch would give).
 
   Returns:
     ``f -> (value, grads)`` in ``jax.value_and_grad(loss_fn, has_aux=has_aux or
@@ -152,6 +143,7 @@ def microbatched_value_and_grad(
     (2.5, -2.0)
   """
   _check_modes(aux_mode, noise_scale)
+  aggregation = _aggregation.check_in_step(denominator, reduce, noise_scale)
   cfg = _Config(
     loss_fn=loss_fn,
     num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches", _SLICES),
@@ -164,6 +156,7 @@ def microbatched_value_and_grad(
     loss_scale=loss_scale,
     accumulator_dtype=None if accumulator_dtype is None else jnp.dtype(accumulator_dtype),
     noise_scale=noise_scale,
+    aggregation=aggregation,
   )
   return lambda params, batch, *args, **kwargs: _value_and_grad(cfg, params, batch, args, kwargs)
 
@@ -194,12 +187,13 @@ def _value_and_grad(
   if lanes:
     micro = _mesh.split_lanes(batch, cfg.num_microbatches, lanes, mesh, axes, cfg.strided)
   state0, args = _take_state(cfg, args)
-  scale = _scale_value(cfg.loss_scale)
+  scale = _loss_scale.in_force(cfg.loss_scale)
   one = _microbatch_fn(cfg, _differentiated(params, name, mesh, axes), scale, args, kwargs)
+  rules = cfg.aggregation.rules(params)
   if lanes:
-    mode = _lanes(one, params, mesh, axes, cfg.strided)
+    mode = _lanes(one, params, mesh, axes, cfg.strided, rules)
   else:
-    mode = _local(one, name, mesh, axes, cfg.strided)
+    mode = _local(one, name, mesh, axes, cfg.strided, rules)
   sums, state, stacked = _scan(cfg, mode, micro, state0)
   return _finish(cfg, mode, params, mode.reduce(sums), state, stacked, scale)
 
@@ -275,12 +269,20 @@ def _fold_key(x: Any, k: jax.Array, lane: Any) -> Any:
   return x if lane is None else jax.random.fold_in(x, lane)
 
 
-def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...], strided) -> _Mode:
-  """No ``axis_name`` (``name`` None), or inside ``shard_map``: one ``psum`` after the scan."""
-  reduce = (lambda sums: _mesh.psum_sums(sums, axes)) if name == "shard_map" else (lambda s: s)
+def _local(one: Callable, name: str | None, mesh: Any, axes, strided, rules) -> _Mode:
+  """No ``axis_name`` (``name`` None), or inside ``shard_map``: one ``psum`` after the scan
+  (a ``pmax`` before it for max/last leaves)."""
+  axis = axes if len(axes) > 1 else axes[0] if axes else None
+  reduce = lambda s: s
+  if name == "shard_map":
+    reduce = lambda sums: _reduce_sums(
+      rules, sums, jax.lax.axis_index(axis),
+      lambda t: _mesh.psum_sums(t, axes), lambda t: jax.lax.pmax(t, axis),
+    )  # fmt: skip
   return _Mode(
     grads_of=lambda mb, k, state: one(mb, k, state, None),
     add=_numerics.weighted_add,
+    add_grads=functools.partial(_aggregation.add, rules),
     add_noise=_noise_scale.add,
     zeros=lambda struct, dtype: _mesh.carry_zeros(struct, dtype, mesh, axes, 0),
     reduce=reduce,
@@ -291,7 +293,7 @@ def _local(one: Callable, name: str | None, mesh: Any, axes: tuple[str, ...], st
   )
 
 
-def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...], strided) -> _Mode:
+def _lanes(one: Callable, params: PyTree, mesh: Any, axes, strided, rules) -> _Mode:
   """Under ``jit`` with ``axis_name``: one lane per device, the lanes summed after the scan."""
   lanes = _mesh.num_lanes(mesh, axes)
   per_lane = lambda f: jax.vmap(f, spmd_axis_name=_mesh.spmd_axis_name(mesh, axes))
@@ -304,17 +306,29 @@ def _lanes(one: Callable, params: PyTree, mesh: Any, axes: tuple[str, ...], stri
     lane_sharded = lambda t: jax.tree.map(lambda x: _mesh.constrain(x, mesh, axes, 0), t)
     return lane_sharded(loss), lane_sharded(aux), None, lane_sharded(g), lane_sharded(w)
 
+  over_lanes = lambda f: lambda t: jax.tree.map(lambda x: f(x, 0), t)
   return _Mode(
     grads_of=grads_of,
     add=per_lane(_numerics.weighted_add),
+    add_grads=per_lane(functools.partial(_aggregation.add, rules)),
     add_noise=per_lane(_noise_scale.add),
     zeros=lambda struct, dtype: _mesh.carry_zeros(struct, dtype, mesh, axes, lanes),
-    reduce=lambda sums: jax.tree.map(lambda x: x.sum(0), sums),
+    reduce=lambda sums: _reduce_sums(
+      rules, sums, _mesh.lane_indices(lanes, mesh, axes), over_lanes(jnp.sum), over_lanes(jnp.max)
+    ),
     place=lambda grads: _mesh.like_params(grads, params),
     stack=_mesh.lane_mean,
     concat=lambda aux: _mesh.merge_lanes(aux, strided),
     lead=1,
   )
+
+
+def _reduce_sums(rules, sums: _Sums, index, psum, pmax) -> _Sums:
+  """The scan's sums reduced over devices or lanes, per rule (``_aggregation.reduce_devices``)."""
+  grads, rest = _aggregation.reduce_devices(
+    rules, sums.grads, sums._replace(grads=None), sums.weight > 0, index, psum, pmax
+  )
+  return rest._replace(grads=grads)
 
 
 def _zero_sums(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any) -> _Sums:
@@ -348,7 +362,7 @@ def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
     loss, aux, new_state, g, w = mode.grads_of(mb, k, state)
     noise = mode.add_noise(sums.noise, sums.grads, g, w) if sums.noise else ()
     sums = _Sums(
-      grads=mode.add(sums.grads, g, w),
+      grads=mode.add_grads(sums.grads, g, w, sums.weight == 0),
       weight=sums.weight + w,
       loss=mode.add(sums.loss, loss, w),
       aux=None if sums.aux is None else mode.add(sums.aux, aux, aux_weight(w)),
@@ -363,9 +377,13 @@ def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any):
 
 
 def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scale):
-  """The one division of the step (by the weight sum) and the value's structure."""
-  grads = optax.tree.cast_like(_numerics.guarded_divide(sums.grads, sums.weight), params)
-  loss = _numerics.guarded_divide(sums.loss, sums.weight)
+  """The one division of the step (by the weight sum or the denominator) and the value's
+  structure."""
+  d = cfg.aggregation.value(sums.weight, None)
+  grads = optax.tree.cast_like(
+    _aggregation.finish(cfg.aggregation.rules(params), sums.grads, d), params
+  )
+  loss = _numerics.guarded_divide(sums.loss, d)
   if cfg.aux_mode == "stack":
     aux = None if stacked is None else mode.stack(*stacked)
   elif cfg.aux_mode == "concat":

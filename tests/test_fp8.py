@@ -155,7 +155,11 @@ def test_fp8_in_step_equals_the_physical_batch():
   model, windows = Fp8MLP(), _windows(3)
   loss = _window_loss(model)
   grad_fn = optax_accum.microbatched_value_and_grad(
-    loss, K, weight_fn=lambda mb: jnp.float32(1), strided=False, denominator=1
+    lambda v, mb, total: loss(v, *mb, total),
+    K,
+    weight_fn=lambda mb: jnp.float32(1),
+    strided=False,
+    denominator=1,
   )
   state = train_state.TrainState.create(apply_fn=model.apply, params=_variables(model), tx=_inner())
 

@@ -23,6 +23,21 @@ CHECKS = {
       "assert len(sizes) >= 4 and all(1000 <= w < 1400 for _, w in sizes), sizes\n",
     ),
   ],
+  "aggregation.md": [
+    (  # the FP8 window equals the physical batch: Flax's TrainState, one grad per window
+      "Fp8DirectDotGeneralOp",
+      "from flax.training import train_state\n"
+      "ref = train_state.TrainState.create(apply_fn=model.apply, params=variables,"
+      " tx=optax.adam(1e-2))\n"
+      "phys = jax.jit(lambda s, x, y: s.apply_gradients(grads=jax.grad(loss_fn)(s.params, x, y,"
+      " len(y))))\n"
+      "for i in range(0, len(data), K):\n"
+      "  ref = phys(ref, *(np.concatenate(p) for p in zip(*data[i:i + K])))\n"
+      "ours, theirs = state.params, ref.params  # meta and params, to float32 rounding\n"
+      "for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):\n"
+      "  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -47,6 +62,12 @@ PRINTS = {
     r"1103806595079",
   ],
   "mixed_precision.md": [r"3 3 8192\.0"],
+  "aggregation.md": [
+    r"\[-0\.5 -0\.5\]",
+    "2",
+    r"\[4\. 5\. 3\.\] \[-0\.1 -0\.1 -0\.1\]",
+    r"3 \(16,\)",
+  ],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
   "guards.md": ["29 1 0", "1"],
   "porting.md": [

@@ -1,13 +1,17 @@
 """A Linen ``TrainState`` that passes microbatch weights and counts applied updates.
 
 Unlike Flax's, it forwards ``weight`` and ``flush``, advances ``step`` only on applied windows
-and takes the fused path (:func:`optax_accum.update_and_apply`); see docs/flax.md.
+and takes the fused path (:func:`optax_accum.update_and_apply`); with ``accumulate`` in ``tx`` the
+FP8 meta (Flax's ``_overwrite_with_gradient`` collection) goes through the window too, reduced by
+``accumulate``'s per-leaf rules. See docs/flax.md and docs/aggregation.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
@@ -23,6 +27,14 @@ class TrainState(train_state.TrainState):
 
   Created like Flax's. ``step`` counts *applied updates* (``num_updates``, as schedules do): use
   it for EMA, evaluation and checkpoints. Without ``accumulate`` in ``tx`` it counts calls.
+
+  FP8 (``params`` holding Flax's ``_overwrite_with_gradient`` collection, the meta of
+  ``flax.linen.fp8_ops``): with ``accumulate`` in ``tx``, ``tx`` sees the whole variables tree,
+  so the meta is reduced over the window by ``accumulate``'s rules (amax histories and scales:
+  the window's max, the output-gradient history rescaled to the window's weight) and overwritten
+  only when a window is applied: every microbatch of a window runs with the same meta, as the
+  physical batch does. Without ``accumulate`` this is Flax's behaviour (the meta overwritten on
+  every call, ``tx`` sees ``params['params']`` only).
 
   Attributes:
     step: applied updates since creation (int32 0-d array after the first call).
@@ -62,12 +74,21 @@ class TrainState(train_state.TrainState):
 
     Returns:
       The new state; an int32 ``step`` (not Flax's ``0``) keeps a jitted step from recompiling.
+      With FP8 meta in ``params`` and ``accumulate`` in ``tx``, ``opt_state = tx.init(params)``
+      of the whole tree (Flax: of ``params['params']``).
     """
+    step = jnp.zeros((), jnp.int32)
+    if _has_owg(params) and find_states(jax.eval_shape(tx.init, params)):
+      return cls(
+        step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=tx.init(params), **kwargs
+      )
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-    return state.replace(step=jnp.zeros((), jnp.int32))
+    return state.replace(step=step)
 
   def _apply(self, step_fn, grads: Any, **kwargs: Any) -> TrainState:
-    owg = grads is not None and OVERWRITE_WITH_GRADIENT in grads
+    # Flax's rule (the FP8 meta overwritten by every call's values) only without accumulate:
+    # with it the meta goes through the window, and is overwritten at its boundary.
+    owg = _has_owg(grads) and not find_states(self.opt_state)
     params = self.params["params"] if owg else self.params
     grads_opt = None if grads is None else (grads["params"] if owg else grads)
     pitfalls.check_state(self.opt_state, AccumulationState)
@@ -94,7 +115,9 @@ class TrainState(train_state.TrainState):
     """Adds one microbatch's gradients; applies the window at its boundary.
 
     Args:
-      grads: gradient of the microbatch's *mean* loss, a tree like ``params``.
+      grads: gradient of the microbatch's *mean* loss, a tree like ``params`` (with FP8, the
+        gradient of the whole variables tree: its ``_overwrite_with_gradient`` part holds the
+        microbatch's new meta).
       weight: examples or unmasked tokens that mean is over (a non-negative
         scalar, may be traced). Default 1: every microbatch weighs the same.
       flush: bool (may be traced); close the window after this microbatch even
@@ -113,3 +136,8 @@ class TrainState(train_state.TrainState):
       grads,
       **kwargs,
     )
+
+
+def _has_owg(tree: Any) -> bool:
+  """Whether ``tree`` (params or grads) holds Flax's FP8 ``_overwrite_with_gradient`` collection."""
+  return isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree

@@ -174,6 +174,23 @@ def test_fp8_in_step_equals_the_physical_batch():
     _assert_like_physical(state.params, reference.params, before, model, window)
 
 
+@pytest.mark.slow
+def test_fp8_in_step_with_mean_losses_equals_the_physical_batch():
+  """In-step takes each microbatch's gradient at the batch's scale (its mean loss times its
+  share w_k / W) by itself, so mean losses and weights need no recipe there."""
+  model, windows = Fp8MLP(), _windows(3)
+  loss = _mean_loss(model)
+  grad_fn = optax_accum.microbatched_value_and_grad(
+    lambda v, mb: loss(v, *mb), K, weight_fn=lambda mb: mb[2].sum(), strided=False
+  )
+  state = train_state.TrainState.create(apply_fn=model.apply, params=_variables(model), tx=_inner())
+  step = jax.jit(lambda state, batch: state.apply_gradients(grads=grad_fn(state.params, batch)[1]))
+  for window, reference in zip(windows, _physical(model, windows), strict=True):
+    before = state.params
+    state = step(state, _concat(window))
+    _assert_like_physical(state.params, reference.params, before, model, window)
+
+
 @pytest.mark.slow  # FP8 steps compile in seconds on CPU: the fast suite keeps the first test
 @pytest.mark.parametrize("real", [REAL, (3, 7, 5, 6)], ids=["powers_of_two", "any"])
 def test_fp8_meta_of_mean_losses_is_the_physical_batch_meta(real):
@@ -186,7 +203,8 @@ def test_fp8_meta_of_mean_losses_is_the_physical_batch_meta(real):
   start = _physical(model, warm)[-1].params
   (reference,) = _physical(model, [window], variables=start)
   tx = optax_accum.accumulate(_inner(), every_k=K)
-  state = optax_accum.flax.TrainState.create(apply_fn=model.apply, params=start, tx=tx)
+  with pytest.warns(optax_accum.pitfalls.PitfallWarning, match="saturate"):
+    state = optax_accum.flax.TrainState.create(apply_fn=model.apply, params=start, tx=tx)
   loss = _mean_loss(model)
   step = jax.jit(
     lambda s, mb: s.apply_gradients(grads=jax.grad(loss)(s.params, *mb), weight=mb[2].sum())
@@ -217,9 +235,10 @@ def test_mean_losses_saturate_the_fp8_backward():
   # windows (meta reduced by the default rules) leave the physical batch after the first update,
   # when the output-gradient scale starts to be sized by the physical batch's amax.
   model, windows = Fp8MLP(), _windows(2)
-  state = optax_accum.flax.TrainState.create(
-    apply_fn=model.apply, params=_variables(model), tx=optax_accum.accumulate(_inner(), every_k=K)
-  )
+  with pytest.warns(optax_accum.pitfalls.PitfallWarning, match="saturate"):  # says the fix
+    state = optax_accum.flax.TrainState.create(
+      apply_fn=model.apply, params=_variables(model), tx=optax_accum.accumulate(_inner(), every_k=K)
+    )
   loss = _mean_loss(model)
   step = jax.jit(
     lambda s, mb: s.apply_gradients(grads=jax.grad(loss)(s.params, *mb), weight=mb[2].sum())

@@ -203,6 +203,11 @@ def accumulate(
     >>> u, state = tx.update({'w': jnp.array([5., 5.])}, state, params, weight=1)
     >>> u['w']  # -(3 * 1 + 1 * 5) / 4
     Array([-2., -2.], dtype=float32)
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, denominator=16)
+    >>> u, state = tx.update({'w': jnp.array([1., 1.])}, tx.init(params), params, weight=3)
+    >>> u, state = tx.update({'w': jnp.array([5., 5.])}, state, params, weight=1)
+    >>> u['w']  # -(3 * 1 + 1 * 5) / 16: the fixed denominator, not the weight
+    Array([-0.5, -0.5], dtype=float32)
 
   References:
     Hugging Face, `Fixing gradient accumulation

@@ -21,6 +21,7 @@ inner optimizer, unless ``overwrite=False``. Under ``axis_name`` they cross devi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -67,8 +68,11 @@ class Aggregation(NamedTuple):
   def rules(self, tree: PyTree) -> tuple[str, ...]:
     """The rule of each leaf of ``tree`` (grads or params), in ``jax.tree.leaves`` order."""
     if self.reduce is None:
-      paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-      return tuple(default_rule(path) for path, _ in paths)
+      try:
+        return _default_rules(jax.tree.structure(tree))
+      except (TypeError, ValueError):  # a node type that cannot be rebuilt from placeholders
+        paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return tuple(default_rule(path) for path, _ in paths)
     prefix = self.reduce(tree) if callable(self.reduce) else self.reduce
     try:
       per_leaf = jax.tree.map(lambda r, sub: [r] * len(jax.tree.leaves(sub)), prefix, tree)
@@ -107,19 +111,34 @@ class Aggregation(NamedTuple):
     d = self.denominator(num_updates) if callable(self.denominator) else self.denominator
     return jnp.asarray(d).astype(weight_sum.dtype)
 
+  def fingerprint(self, tree: PyTree) -> tuple | None:
+    """What :class:`AggregationState` holds for ``tree``, as Python values (None: default)."""
+    if not self.active(tree):
+      return None
+    d = self.denominator
+    fixed = 0.0 if d is None else _CALLABLE if callable(d) else d
+    fixed = float(np.asarray(fixed, _numerics.scalar_dtype()))  # as the state stores it
+    return (fixed, self.rules(tree), self.apply_empty, self.overwrite)
+
   def init_state(self, tree: PyTree) -> AggregationState | optax.EmptyState:
     """The sub-state ``init`` writes (``EmptyState`` for the default)."""
-    if not self.active(tree):
+    fp = self.fingerprint(tree)
+    if fp is None:
       return optax.EmptyState()
-    d = self.denominator
-    fixed = 0.0 if d is None else _CALLABLE if callable(d) else float(d)
-    codes = [RULES.index(r) for r in self.rules(tree)]
+    fixed, rules, apply_empty, overwrite = fp
     return AggregationState(
       denominator=jnp.asarray(fixed, _numerics.scalar_dtype()),
-      rules=jnp.asarray(codes, jnp.int32).reshape(len(codes)),
-      apply_empty=jnp.asarray(self.apply_empty),
-      overwrite=jnp.asarray(self.overwrite),
+      rules=jnp.asarray([RULES.index(r) for r in rules], jnp.int32).reshape(len(rules)),
+      apply_empty=jnp.asarray(apply_empty),
+      overwrite=jnp.asarray(overwrite),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _default_rules(treedef: Any) -> tuple[str, ...]:
+  """The default rule of each leaf of a tree structure (cached: eager calls read it)."""
+  dummy = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
+  return tuple(default_rule(path) for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0])
 
 
 def _is_list(x: Any) -> bool:
@@ -296,121 +315,3 @@ def finish_other(rule: str, x: jax.Array, denom: jax.Array) -> jax.Array:
   nonzero = denom != 0
   safe = jnp.where(nonzero, denom, jnp.ones_like(denom)).astype(x.dtype)
   return jnp.where(_newest(x) & nonzero, x / safe, x)
-
-
-# ------------------------------------------------------------------ the boundary's values
-
-
-class Split(NamedTuple):
-  """A tree's leaves grouped by what the boundary does with them (trace time).
-
-  ``groups``: ``(indices, kind)`` of the leaves handed to the inner optimizer, ``kind`` their
-  divisor: ``'mean'`` (denominator times loss scale), ``'sum'`` (loss scale), ``'other'``
-  (none: max, last, the FP8 history). ``overwritten``: the indices of the other leaves.
-  """
-
-  rules: tuple[str, ...]
-  groups: tuple[tuple[tuple[int, ...], str], ...]
-  overwritten: tuple[int, ...]
-
-  @classmethod
-  def of(cls, agg: Aggregation, tree: PyTree) -> Split:
-    rules, flags = agg.rules(tree), agg.overwritten(tree)
-    kind = lambda r: r if r in SUMMED else "other"
-    groups = []
-    for k in ("mean", "sum", "other"):
-      idx = tuple(i for i, r in enumerate(rules) if kind(r) == k and not flags[i])
-      if idx:
-        groups.append((idx, k))
-    return cls(rules, tuple(groups), tuple(i for i, f in enumerate(flags) if f))
-
-  @property
-  def plain(self) -> bool:
-    """Every leaf a weighted mean: the boundary is today's, unchanged."""
-    return all(r == "mean" for r in self.rules)
-
-  def _divisor(self, kind: str, d: jax.Array, scale: jax.Array) -> jax.Array:
-    if kind == "mean":
-      return d * scale.astype(d.dtype)
-    return scale.astype(d.dtype) if kind == "sum" else jnp.ones_like(d)
-
-  def _leaves(self, idx, leaves, kind, d):
-    if kind != "other":
-      return [leaves[i] for i in idx]
-    return [finish_other(self.rules[i], leaves[i], d) for i in idx]
-
-  def norm_and_finite(self, g_sum: PyTree, d: jax.Array, scale: jax.Array):
-    """The global norm of what the inner optimizer gets and whether all of the window is finite."""
-    if self.plain:
-      return _numerics.norm_and_finite(g_sum, self._divisor("mean", d, scale))
-    leaves = jax.tree.leaves(g_sum)
-    sq, finite = jnp.zeros((), d.dtype), _numerics.all_finite(self.overwritten_values(g_sum, d))
-    for idx, kind in self.groups:
-      n, f = _numerics.norm_and_finite(
-        self._leaves(idx, leaves, kind, d), self._divisor(kind, d, scale)
-      )
-      dtype = _numerics.promote_types(sq.dtype, n.dtype)
-      sq, finite = sq.astype(dtype) + jnp.square(n.astype(dtype)), finite & f
-    return jnp.sqrt(sq), finite
-
-  def fits(self, g_sum, d, scale, norm, clip_norm, like) -> jax.Array:
-    """Whether the summed leaves' window values fit ``like``'s (maybe fp16) dtypes."""
-    if self.plain:
-      return _numerics.fits(g_sum, self._divisor("mean", d, scale), norm, clip_norm, like)
-    leaves, likes = jax.tree.leaves(g_sum), jax.tree.leaves(like)
-    ok = jnp.array(True)
-    for idx, kind in self.groups:
-      sub = self._leaves(idx, leaves, kind, d)
-      div = self._divisor(kind, d, scale)
-      ok = ok & _numerics.fits(sub, div, norm, clip_norm, [likes[i] for i in idx])
-    return ok
-
-  def window_values(self, g_sum, d, scale, norm, clip_norm, like) -> PyTree:
-    """What the inner optimizer gets: each group's window value (clipped), cast like ``like``;
-    the overwritten leaves' reduced values (the inner does not see them)."""
-    if self.plain:
-      return _numerics.window_mean(g_sum, self._divisor("mean", d, scale), norm, clip_norm, like)
-    leaves, treedef = jax.tree.flatten(g_sum)
-    likes = jax.tree.leaves(like)
-    out = list(leaves)
-    for idx, kind in self.groups:
-      sub = self._leaves(idx, leaves, kind, d)
-      div = self._divisor(kind, d, scale)
-      values = _numerics.window_mean(sub, div, norm, clip_norm, [likes[i] for i in idx])
-      for i, v in zip(idx, values, strict=True):
-        out[i] = v
-    for i, v in zip(self.overwritten, self.overwritten_values(g_sum, d), strict=True):
-      out[i] = v.astype(likes[i].dtype)
-    return jax.tree.unflatten(treedef, out)
-
-  def overwritten_values(self, g_sum: PyTree, d: jax.Array) -> list[jax.Array]:
-    """The overwritten leaves' reduced values, in index order."""
-    leaves = jax.tree.leaves(g_sum)
-    return [finish_other(self.rules[i], leaves[i], d) for i in self.overwritten]
-
-  def overwrite_updates(self, updates: PyTree, values: PyTree, params: PyTree, keep) -> PyTree:
-    """The inner's updates with each overwritten leaf's ``value - param`` (zero where ``keep``)."""
-    if not self.overwritten:
-      return updates
-    if params is None:
-      raise ValueError(
-        "reduce= overwrites max/last leaves at the boundary, which needs the params: pass "
-        "params to tx.update (or overwrite=False to hand them to the inner optimizer)."
-      )
-    u, treedef = jax.tree.flatten(updates)
-    v, p = jax.tree.leaves(values), jax.tree.leaves(params)
-    for i in self.overwritten:
-      wide = _numerics.promote_types(v[i].dtype, p[i].dtype)
-      delta = v[i].astype(wide) - p[i].astype(wide)
-      u[i] = jnp.where(keep, jnp.zeros((), u[i].dtype), delta.astype(u[i].dtype))
-    return jax.tree.unflatten(treedef, u)
-
-  def overwrite_params(self, new_params: PyTree, values: PyTree, params: PyTree, keep) -> PyTree:
-    """``new_params`` with each overwritten leaf set to its value exactly (kept where ``keep``)."""
-    if not self.overwritten:
-      return new_params
-    n, treedef = jax.tree.flatten(new_params)
-    v, p = jax.tree.leaves(values), jax.tree.leaves(params)
-    for i in self.overwritten:
-      n[i] = jnp.where(keep, p[i], v[i].astype(p[i].dtype))
-    return jax.tree.unflatten(treedef, n)

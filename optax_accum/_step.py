@@ -28,6 +28,7 @@ from optax_accum import (
   _loss_scale,
   _noise_scale,
   _numerics,
+  _rule_groups,
   _vma,
 )
 from optax_accum import _state as st
@@ -148,7 +149,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   """
   grad_sum, inner_state = operands
   agg = config.aggregation
-  split = _aggregation.Split.of(agg, grad_sum)
+  split = _rule_groups.Split.of(agg, grad_sum)
   sums = window._replace(grad_sum=grad_sum)
   if config.axis_name is not None:  # the window's all-reduce (a pmax first for max/last leaves)
     sums = _all_reduce(split.rules, sums, config.axis_name)
@@ -314,9 +315,7 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
   got = st.fingerprint_of(state.every_k, state.loss_scale)
   if got is not None and not problems and not _is_traced(state.aggregation):
     got = got._replace(aggregation=_aggregation.fingerprint(state.aggregation))
-    want = config.fingerprint._replace(
-      aggregation=_aggregation.fingerprint(config.aggregation.init_state(grads))
-    )
+    want = config.fingerprint._replace(aggregation=config.aggregation.fingerprint(grads))
     problems = st.fingerprint_problems(got, want)
   st.raise_on_problems(problems, "This optimizer state")
   check_trees(grads, state.window.grad_sum, params, config.accumulator_dtype)

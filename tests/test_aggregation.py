@@ -117,7 +117,7 @@ def test_flush_loss_and_clip_with_a_fixed_denominator():
   np.testing.assert_allclose(float(m.grad_norm), 5.0, rtol=1e-6)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
   st.lists(st.integers(0, 9), min_size=1, max_size=6),
   st.floats(0.5, 100.0),

@@ -342,6 +342,11 @@ def init(config: Config, params: PyTree) -> AccumulationState:
   pitfalls.check_params(params)
   agg = config.aggregation
   fp8 = "grad_amax_history" in agg.rules(params)
+  if config.noise_decay is not None and agg.active(params):
+    raise ValueError(
+      "noise_scale_decay estimates the noise of a weighted mean, but these params have leaves "
+      "with other rules (Flax FP8 meta?): pass reduce='mean' for them, or drop the noise scale."
+    )
   pitfalls.check_fp8_scale(fp8, agg.denominator is None, config.every_k)
   fdt = _numerics.scalar_dtype()
   # A fresh buffer per field: donating a state whose leaves share a buffer

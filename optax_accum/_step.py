@@ -306,7 +306,7 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
     ("token_budget", config.budget is not None, "window_weight"),
     ("noise_scale", config.noise_decay is not None, "noise_scale_decay"),
     ("guard", bool(config.guard), "skip_if"),
-    ("aggregation", config.aggregation.active(grads), "denominator=, apply_empty=, reduce="),
+    ("aggregation", config.aggregation.active(grads), "denominator=/reduce"),
   )
   problems = []
   for field, on, arg in features:

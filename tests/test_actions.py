@@ -66,6 +66,7 @@ def test_window_equals_physical_batch(inner):
   assert int(optax_accum.metrics(state).num_updates) == 2
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_matches_apply_updates_through_chain_and_flush():
   """Inside optax.chain (clip before accumulate) and with a flush, same as apply_updates."""
   tx = optax.chain(optax.clip(10.0), optax_accum.accumulate(optax.sgd(0.5), every_k=3))

@@ -123,6 +123,7 @@ def test_flush_loss_and_clip_with_a_fixed_denominator():
   st.floats(0.5, 100.0),
   st.integers(0, 2**16),
 )
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_denominator_matches_a_float64_reference(weights, n, seed):
   rng = np.random.default_rng(seed)
   grads = [{"w": rng.normal(size=3)} for _ in weights]

@@ -26,6 +26,7 @@ def _metrics_loss(p, b):
   return models.token_loss(p, b), aux
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 @pytest.mark.parametrize("strided", [True, False])
 def test_aux_mode_sum_and_concat_equal_the_batch(token_data, strided):
   """'sum' adds the microbatches' sum metrics (integers stay exact), 'concat' returns the

@@ -168,6 +168,7 @@ def test_cli_top_level_help_is_plain_text_and_version_names_the_versions(capsys)
   assert f"jax {importlib.metadata.version('jax')}" in out
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress_lines(
   monkeypatch,
 ):

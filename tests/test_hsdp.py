@@ -127,6 +127,7 @@ def test_across_step_reduces_over_replica_once_per_window():
   assert opt_state.window.grad_sum["w"].sharding.spec == P("replica", "fsdp", None)
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_across_step_updates_equal_the_flat_data_parallel_run():
   mesh = hsdp_mesh()
   params0, batches = make_data(2 * K)

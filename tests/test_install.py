@@ -31,6 +31,7 @@ def _would_install(requirement: str, tmp_path: pathlib.Path) -> dict[str, str]:
   return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in items}
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 @pytest.mark.parametrize("extra", ["", "[flax]"])
 def test_install_keeps_jax_jaxlib_and_flax(extra, tmp_path):
   installed = {name: _version(name) for name in KEPT}

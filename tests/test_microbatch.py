@@ -58,6 +58,7 @@ def test_mean_of_means_would_differ(token_data):
   assert optax.tree.norm(optax.tree.sub(grads, ref)) > 1e-3 * optax.tree.norm(ref)
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_has_aux_weighted_mean_and_stack(token_data):
   params, batch = token_data
 
@@ -84,6 +85,7 @@ def test_has_aux_weighted_mean_and_stack(token_data):
   chex.assert_trees_all_close(stacked, jax.tree.map(lambda *xs: jnp.stack(xs), *per_mb))
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_zero_token_microbatches_no_nan(token_data):
   params, _ = token_data
   batch = models.token_batch(num_rows=8, seq_len=8)

@@ -84,6 +84,7 @@ def _check_against_exhaustive(step, make_args, sizes, index):
   return exhaustive
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_across_step_plan_equals_exhaustive_scan():
   step, make_args = _across_step()
   sizes = [2, 8, 32, 128, 512]
@@ -92,12 +93,14 @@ def test_across_step_plan_equals_exhaustive_scan():
   assert exhaustive[512] - exhaustive[2] >= 510 * 4 * 4
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_in_step_plan_equals_exhaustive_scan():
   step, make_args = _in_step(num_microbatches=4)
   sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
   _check_against_exhaustive(step, make_args, sizes, index=5)
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_sharded_plan_is_per_device():
   assert len(jax.devices()) == 8
   mesh = _compat.make_mesh((8,), ("data",))
@@ -172,6 +175,7 @@ def test_a_line_a_few_rows_off_takes_a_few_more():
   assert len(measured) == 10
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_known_sizes_are_not_compiled():
   step, make_args = _in_step(num_microbatches=2)
   sizes = range(1, 257)

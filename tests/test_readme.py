@@ -119,6 +119,7 @@ def test_readme_python_blocks_run_in_order(tmp_path):
   assert float(grad.group(1)) < 1e-5 < 1e-2 < float(mean_of_means.group(1))
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_readme_planning_block_runs_after_the_example():
   blocks = [code for code, _ in python_blocks(README)]
   planning_block = next(b for b in blocks if "plan_microbatch" in b)

@@ -294,6 +294,7 @@ def _concat(batches):
   return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_a_run_without_accumulation_continues_with_it(tmp_path):
   """Issue 23's trap: 3 plain adamw steps on disk, resumed under accumulate. The checkpoint's
   metadata is refused with the fix named; migrate_state continues Adam's count, so the next

@@ -72,6 +72,7 @@ def test_detects_a_loss_that_is_not_a_mean():
     )
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_nnx_mlp_passes_and_batchnorm_fails_with_warning():
   batch = models.linear_regression_data(16)
   report = testing.check_equivalence(
@@ -127,6 +128,7 @@ def test_difference_tolerance_rule():
   assert d.ok(rtol=0.25, atol=0.0) and not d.ok(rtol=0.2, atol=0.0) and d.ok(rtol=0, atol=0.5)
 
 
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_contiguous_split_reports_its_weights():
   batch = models.token_batch(num_rows=8)
   report = testing.check_equivalence(

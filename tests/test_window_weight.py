@@ -125,6 +125,7 @@ def check_run(counts, budget, cap, reference_budget, of=None):
   counts=st.lists(st.integers(0, ROWS), min_size=STEPS, max_size=STEPS),
   config=st.sampled_from([(7, None), (16, 3)]),  # (budget, every_k cap): two compilations
 )
+@pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
 def test_windows_close_at_the_first_microbatch_reaching_the_budget(counts, config):
   budget, cap = config
   check_run(counts, budget, cap, lambda n, seen: budget)

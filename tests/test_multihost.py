@@ -8,10 +8,6 @@ rows) and must end with bitwise-identical params, equal to a single-process
 run of ``accumulate`` without ``axis_name`` on the concatenated microbatches.
 """
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -20,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _processes import run_workers
 
 import optax_accum
 
@@ -102,12 +99,6 @@ WORKER = COMMON + textwrap.dedent(
 ) % {"every_k": EVERY_K}
 
 
-def free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def single_process_reference():
   namespace = {}
   exec(COMMON, namespace)
@@ -129,36 +120,7 @@ def single_process_reference():
 
 @pytest.mark.slow  # two processes start JAX and compile: about 20 s
 def test_two_processes_apply_the_single_process_update(tmp_path):
-  script = tmp_path / "worker.py"
-  script.write_text(WORKER)
-  env = {
-    **os.environ,
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
-    "JAX_PLATFORMS": "cpu",
-  }
-  port = str(free_port())
-  outs = [tmp_path / f"out{pid}.npz" for pid in range(2)]
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(script), str(pid), port, str(outs[pid])],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for pid in range(2)
-  ]
-  logs = []
-  try:
-    for proc in procs:
-      logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-  for proc, log in zip(procs, logs, strict=True):
-    assert proc.returncode == 0, log[-3000:]
+  outs = run_workers(tmp_path, WORKER, 2, LOCAL_DEVICES, TIMEOUT_S)
 
   results = [np.load(out) for out in outs]
   for r in results:  # every local device of every process holds the same bits

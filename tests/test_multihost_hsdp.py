@@ -13,10 +13,6 @@ final params equal the two processes' within 1e-6 (measured: not bitwise, the la
 all-reduce over ``replica`` now runs inside one process, not over gloo).
 """
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -24,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _processes import run_workers
 
 import optax_accum
 
@@ -133,43 +130,9 @@ WORKER = COMMON + textwrap.dedent(
 )
 
 
-def free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def run_two_processes(tmp_path):
-  script = tmp_path / "worker.py"
-  script.write_text(WORKER)
-  env = {
-    **os.environ,
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
-    "JAX_PLATFORMS": "cpu",
-  }
-  port, ckpt = str(free_port()), tmp_path / "ckpt"
-  outs = [tmp_path / f"out{pid}.npz" for pid in range(2)]
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(script), str(pid), port, str(outs[pid]), str(ckpt)],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for pid in range(2)
-  ]
-  logs = []
-  try:
-    for proc in procs:
-      logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-  for proc, log in zip(procs, logs, strict=True):
-    assert proc.returncode == 0, log[-3000:]
+  ckpt = tmp_path / "ckpt"
+  outs = run_workers(tmp_path, WORKER, 2, LOCAL_DEVICES, TIMEOUT_S, (str(ckpt),))
   return [dict(np.load(out)) for out in outs], ckpt
 
 

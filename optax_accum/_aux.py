@@ -1,5 +1,7 @@
-"""How the in-step helper combines aux leaves over microbatches (``aux_mode``).
+"""What the in-step helper's ``loss_fn`` returns besides the loss: aux and threaded state.
 
+Its output is unpacked into ``(loss, aux, state)`` and the value packed back in
+``jax.value_and_grad``'s structure. Aux leaves combine over microbatches by ``aux_mode``:
 ``'mean'`` by the loss's weights, ``'sum'`` plainly, ``'concat'`` back into the batch's rows,
 ``'stack'`` per microbatch; a mode that would change a leaf's meaning or shape raises.
 """
@@ -49,3 +51,29 @@ def check_leaves(aux_mode: str, aux_s: PyTree, rows: int, lead: int) -> None:
         f"aux leaf {name} has shape {shape}. Return per-example values, or use aux_mode="
         "'mean' (mean metrics) or 'sum' (count and sum metrics)."
       )
+
+
+def take_state(has_state: bool, args: tuple) -> tuple[Any, tuple]:
+  """``(state, rest)``: with ``has_state`` the first extra argument is the threaded state."""
+  if not has_state:
+    return None, args
+  if not args:
+    raise TypeError("has_state=True: call f(params, batch, state, *args, **kwargs).")
+  return args[0], args[1:]
+
+
+def unpack(has_aux: bool, has_state: bool, out: Any) -> tuple[Any, Any, Any]:
+  """``loss_fn``'s output as ``(loss, aux, state)``, None for a part it does not return."""
+  if has_state:
+    loss, rest = out
+    aux, state = rest if has_aux else (None, rest)
+    return loss, aux, state
+  loss, aux = out if has_aux else (out, None)
+  return loss, aux, None
+
+
+def pack(has_aux: bool, has_state: bool, loss: Any, aux: Any, state: Any) -> Any:
+  """The value in ``jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)``'s structure."""
+  if has_state:
+    return (loss, (aux, state)) if has_aux else (loss, state)
+  return (loss, aux) if has_aux else loss

@@ -186,7 +186,7 @@ def _value_and_grad(
   micro = split_batch(batch, cfg.num_microbatches, strided=cfg.strided)  # checks and messages
   if lanes:
     micro = _mesh.split_lanes(batch, cfg.num_microbatches, lanes, mesh, axes, cfg.strided)
-  state0, args = _take_state(cfg, args)
+  state0, args = _aux.take_state(cfg.has_state, args)
   scale = _loss_scale.in_force(cfg.loss_scale)
   rules, shares = cfg.aggregation.rules(params), None
   if "grad_amax_history" in rules:  # FP8: every microbatch's backward at the batch's scale
@@ -212,35 +212,10 @@ def _differentiated(params: PyTree, name: str | None, mesh: Any, axes: tuple[str
   return params
 
 
-def _take_state(cfg: _Config, args: tuple) -> tuple[Any, tuple]:
-  """``(state, rest)``: with ``has_state`` the first extra argument is the threaded state."""
-  if not cfg.has_state:
-    return None, args
-  if not args:
-    raise TypeError("has_state=True: call f(params, batch, state, *args, **kwargs).")
-  return args[0], args[1:]
-
-
-def _unpack(cfg: _Config, out: Any) -> tuple[Any, Any, Any]:
-  """``loss_fn``'s output as ``(loss, aux, state)``, None for a part it does not return."""
-  if cfg.has_state:
-    loss, rest = out
-    aux, state = rest if cfg.has_aux else (None, rest)
-    return loss, aux, state
-  loss, aux = out if cfg.has_aux else (out, None)
-  return loss, aux, None
-
-
-def _pack(cfg: _Config, loss: Any, aux: Any, state: Any) -> Any:
-  """The value in ``jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)``'s structure."""
-  if cfg.has_state:
-    return (loss, (aux, state)) if cfg.has_aux else (loss, state)
-  return (loss, aux) if cfg.has_aux else loss
-
-
 def _scaled_loss(cfg: _Config, params, mb, scale, extra, kwargs):
   """``(loss * scale, (loss, aux, state))``: the loss in its accumulator dtype, float32 or wider."""
-  loss, aux, state = _unpack(cfg, cfg.loss_fn(params, mb, *extra, **kwargs))
+  out = cfg.loss_fn(params, mb, *extra, **kwargs)
+  loss, aux, state = _aux.unpack(cfg.has_aux, cfg.has_state, out)
   loss = jnp.asarray(loss)
   if loss.ndim != 0:
     raise ValueError(f"loss_fn must return a scalar mean loss, got shape {loss.shape}.")
@@ -404,7 +379,7 @@ def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scal
     aux = sums.aux
   else:
     aux = _numerics.guarded_divide(sums.aux, sums.weight)
-  value = _pack(cfg, loss, aux, state)
+  value = _aux.pack(cfg.has_aux, cfg.has_state, loss, aux, state)
   if cfg.noise_scale:
     value = (value, _noise_estimate(sums, scale))
   return value, mode.place(grads)

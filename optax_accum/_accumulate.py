@@ -169,15 +169,20 @@ def accumulate(
       number > 0, or a callable of ``num_updates`` (int32) returning one: divide by it
       whatever the realized weight (DP-SGD's expected batch size, a token count known in
       advance; global under ``axis_name``); ``1``: the plain sum ``sum_i w_i g_i``. The
-      window's ``value`` (loss) is divided the same way. docs/aggregation.md.
+      window's ``value`` (loss) is divided the same way. A schedule's value that is not
+      finite and > 0 raises where it is concrete; traced, it skips the window (counted in
+      ``num_skipped``). docs/aggregation.md.
     apply_empty: with a fixed ``denominator``, run the inner optimizer on the zero mean of
       an empty window (weight 0: DP-SGD's noise is still added) instead of skipping it.
+      A flush of a window that holds no microbatch stays a no-op.
     reduce: per-leaf rules, a rule or a tree prefix of the params with one per subtree (or
       a callable of the params tree returning one): ``'mean'`` (by the denominator),
       ``'sum'`` (``sum_i w_i g_i``), ``'max'`` (elementwise, over the microbatches with
       weight > 0), ``'last'``, ``'grad_amax_history'`` (an FP8 amax history of a
       gradient, newest entry first: that entry is ``max_i w_i x_i / denominator``). None:
-      ``'mean'``, and Flax's FP8 rule in its ``_overwrite_with_gradient`` collection.
+      ``'mean'``, and Flax's FP8 rule in its ``_overwrite_with_gradient`` collection. A
+      dict prefix matches any mapping by key (``nnx.State`` too). Max, last and FP8 leaves
+      are values, not gradients: the loss scale does not divide them.
     overwrite: leaves reduced by max, last or the FP8 rule are overwritten with their window
       value at an applied boundary (Flax's rule for that collection; exact on the fused
       path, ``value - param`` from ``tx.update``) instead of going through ``inner``.
@@ -191,7 +196,9 @@ def accumulate(
     TypeError, ValueError: at construction, naming a bad argument; at trace
       time for a non-scalar, boolean, concrete negative or unrepresentable
       weight, grads that do not match the state or params, device-varying
-      params under ``axis_name``, and a state of another configuration.
+      params under ``axis_name``, and a state of another configuration (its
+      fingerprint's values on eager calls and in ``sharding.check_compatible``;
+      under ``jit``, where they are traced, its sub-states and structure).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum

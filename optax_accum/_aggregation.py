@@ -22,7 +22,7 @@ inner optimizer, unless ``overwrite=False``. Under ``axis_name`` they cross devi
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -74,18 +74,7 @@ class Aggregation(NamedTuple):
         paths = jax.tree_util.tree_flatten_with_path(tree)[0]
         return tuple(default_rule(path) for path, _ in paths)
     prefix = self.reduce(tree) if callable(self.reduce) else self.reduce
-    try:
-      per_leaf = jax.tree.map(lambda r, sub: [r] * len(jax.tree.leaves(sub)), prefix, tree)
-    except ValueError as e:
-      raise ValueError(
-        f"reduce= must be a rule or a tree prefix of the params with a rule per subtree; "
-        f"it does not match the gradients' tree ({e}). Rules: {RULES}."
-      ) from None
-    rules = [r for group in jax.tree.leaves(per_leaf, is_leaf=_is_list) for r in group]
-    for rule in rules:
-      if rule not in RULES:
-        raise ValueError(f"reduce= has the rule {rule!r}; each rule must be one of {RULES}.")
-    return tuple(rules)
+    return rules_of_prefix(prefix, tree)
 
   def active(self, tree: PyTree) -> bool:
     """Whether the state carries an :class:`AggregationState` (anything but the default)."""
@@ -105,11 +94,23 @@ class Aggregation(NamedTuple):
     return optax.with_extra_args_support(optax.masked(inner, mask))
 
   def value(self, weight_sum: jax.Array, num_updates: jax.Array | None) -> jax.Array:
-    """The window's denominator: its weight sum, or the fixed number (schedule) in its dtype."""
+    """The window's denominator: its weight sum, or the fixed number (schedule) in its dtype.
+
+    A schedule's value is checked like a fixed one where it is concrete (eager calls); a
+    traced one that is not finite and > 0 makes the window non-finite (:meth:`usable`).
+    """
     if self.denominator is None:
       return weight_sum
-    d = self.denominator(num_updates) if callable(self.denominator) else self.denominator
+    d = self.denominator
+    if callable(d):
+      d = denominator_value(d(num_updates), "the denominator schedule's value")
     return jnp.asarray(d).astype(weight_sum.dtype)
+
+  def usable(self, d: jax.Array) -> jax.Array:
+    """Whether a fixed denominator can divide: finite and > 0 (True for the weight sum)."""
+    if self.denominator is None:
+      return jnp.ones((), jnp.bool_)
+    return (d > 0) & jnp.isfinite(d)
 
   def fingerprint(self, tree: PyTree) -> tuple | None:
     """What :class:`AggregationState` holds for ``tree``, as Python values (None: default)."""
@@ -141,8 +142,79 @@ def _default_rules(treedef: Any) -> tuple[str, ...]:
   return tuple(default_rule(path) for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0])
 
 
-def _is_list(x: Any) -> bool:
-  return isinstance(x, list)
+def rules_of_prefix(prefix: Any, tree: PyTree) -> tuple[str, ...]:
+  """Each leaf's rule from ``reduce=``'s tree prefix, matched by the leaves' key paths.
+
+  A dict prefix matches any mapping node by key (a dict, Flax's ``FrozenDict``, an NNX
+  ``nnx.State``), a list or tuple by position, a NamedTuple or dataclass by field name. Raises
+  for a leaf the prefix does not reach and for a name of the prefix the params lack.
+  """
+  used, rules = set(), []
+  # None entries of the params (no leaves) are walked too: a prefix may name them, or not.
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)[0]:
+    node, at = prefix, ()
+    for key in path:
+      if isinstance(node, str) or (leaf is None and _entry(node, key) is _MISSING):
+        break
+      node, at = _entry(node, key), (*at, _key_of(key))
+      if node is _MISSING:
+        raise _prefix_error(f"it has no entry for {at}, where the params have a leaf")
+      used.add(at)
+    if leaf is None:
+      continue
+    if not isinstance(node, str):
+      raise _prefix_error(f"it has {type(node).__name__} at {at}, below the leaf there")
+    if node not in RULES:
+      raise ValueError(f"reduce= has the rule {node!r}; each rule must be one of {RULES}.")
+    rules.append(node)
+  for at in _prefix_paths(prefix):
+    if at not in used:
+      raise _prefix_error(f"it names {at}, which the params do not have")
+  return tuple(rules)
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _key_of(key: Any) -> Any:
+  """A key path entry's name or index (``DictKey``, ``SequenceKey``, ``GetAttrKey``)."""
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  raise TypeError(f"reduce= cannot match a tree node with the key {key!r}: pass a callable.")
+
+
+_MISSING = object()
+
+
+def _entry(node: Any, key: Any) -> Any:
+  """A prefix node's entry for one key of a leaf's path, or ``_MISSING``."""
+  k = _key_of(key)
+  if isinstance(node, Mapping):
+    return node.get(k, _MISSING)
+  if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):  # by position
+    return node[k] if isinstance(k, int) and k < len(node) else _MISSING
+  return getattr(node, k, _MISSING) if isinstance(k, str) else _MISSING  # by field name
+
+
+def _prefix_paths(prefix: Any, at: tuple = ()) -> list[tuple]:
+  """Every path of ``prefix``'s containers' entries (dicts, lists, tuples, NamedTuples)."""
+  if isinstance(prefix, Mapping):
+    items = prefix.items()
+  elif isinstance(prefix, (list, tuple)):
+    items = zip(getattr(prefix, "_fields", range(len(prefix))), prefix, strict=True)
+  else:
+    return []
+  return [p for k, v in items for p in [(*at, k), *_prefix_paths(v, (*at, k))]]
+
+
+def _prefix_error(what: str) -> ValueError:
+  return ValueError(
+    f"reduce= must be a rule or a tree prefix of the params with a rule per subtree (dicts "
+    f"by key, lists by position), but {what}. Rules: {RULES}. Or pass a callable of the "
+    "params tree returning the prefix."
+  )
 
 
 def default_rule(path: tuple) -> str:
@@ -158,15 +230,30 @@ def default_rule(path: tuple) -> str:
   return "grad_amax_history" if names[-1] == "output_grad_amax_history" else "max"
 
 
+def denominator_value(d: Any, name: str = "denominator") -> float | jax.Array:
+  """A denominator value, checked: a number (or concrete 0-d array) finite and > 0, as a float;
+  a traced one must be a real 0-d array (its value is known only in the compiled step)."""
+  if isinstance(d, jax.core.Tracer):
+    if d.ndim != 0 or not jnp.issubdtype(d.dtype, jnp.number) or jnp.iscomplexobj(d):
+      raise TypeError(f"{name} must be a real scalar (0-d), got {d.dtype}{list(d.shape)}.")
+    return d
+  if isinstance(d, (jax.Array, np.ndarray)):
+    if np.ndim(d) != 0:
+      raise TypeError(f"{name} must be a real scalar (0-d), got shape {np.shape(d)}.")
+    d = np.asarray(d)[()]
+  d = _checks.real_number(d, name, "the window's divisor")
+  if not 0 < d < float("inf"):
+    raise ValueError(
+      f"{name} must be finite and > 0, got {d}. Use denominator=1 for the plain sum, or "
+      "None to divide by the window's weight sum."
+    )
+  return d
+
+
 def check(denominator: Any, apply_empty: Any, reduce: Any, overwrite: Any) -> Aggregation:
   """Validates the aggregation arguments, each error naming the argument and the fix."""
   if denominator is not None and not callable(denominator):
-    denominator = _checks.real_number(denominator, "denominator", "the window's divisor")
-    if not 0 < denominator < float("inf"):
-      raise ValueError(
-        f"denominator must be finite and > 0, got {denominator}. Use denominator=1 for the "
-        "plain sum, or None to divide by the window's weight sum."
-      )
+    denominator = denominator_value(denominator)
   for flag, name in ((apply_empty, "apply_empty"), (overwrite, "overwrite")):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name} must be True or False, got {flag!r}.")
@@ -194,9 +281,11 @@ def check_in_step(denominator: Any, reduce: Any, noise_scale: bool) -> Aggregati
       "noise_scale=True estimates the noise of a weighted mean: leave out denominator= and "
       "reduce=, or noise_scale."
     )
-  traced = isinstance(denominator, jax.Array)
+  traced = isinstance(denominator, jax.core.Tracer)
   aggregation = check(None if traced else denominator, False, reduce, True)
-  return aggregation._replace(denominator=denominator) if traced else aggregation
+  if traced:  # a value of this step (not checkable before it runs): its shape and dtype
+    return aggregation._replace(denominator=denominator_value(denominator))
+  return aggregation
 
 
 def fingerprint(sub: Any) -> tuple | None:

@@ -116,7 +116,8 @@ def microbatched_value_and_grad(
     noise_scale: also return the batch's ``NoiseEstimate`` (docs/noise_scale.md).
     denominator: None: divide by the batch's weight; a number > 0 (or a 0-d array):
       divide the loss and the gradient's weighted sum by it (``1``: the sum), as
-      ``accumulate(denominator=...)``; global under ``axis_name``.
+      ``accumulate(denominator=...)``; global under ``axis_name``. A traced value (made
+      inside the step) is checked for its shape only: it must be finite and > 0.
     reduce: per-leaf rules, as ``accumulate(reduce=...)`` (default: ``'mean'``, and Flax's
       FP8 rule in its ``_overwrite_with_gradient`` collection): a max, last or FP8 leaf
       comes back as its reduced value (the FP8 meta one physical batch would give).

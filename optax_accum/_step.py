@@ -51,6 +51,7 @@ def run(config, output, compiled, grads, state, params, extra):
   extra = dict(extra)
   args = [extra.pop("weight", 1), extra.pop("flush", False), extra.pop("value", None)]
   w, flush, value = _check_args(*args)
+  config.aggregation.value(state.window.weight_sum, state.num_updates)  # a schedule's, concrete
   return compiled[output](grads, state, params, weight=w, flush=flush, value=value, **extra)
 
 
@@ -101,8 +102,13 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
     unchanged = header._replace(updated=jnp.zeros_like(state.updated))
     return place.between(params, boundary), grad_sum, inner_state, unchanged
 
+  # A flush of a window that holds no microbatch closes nothing, even with apply_empty.
+  nothing_to_close = flush & (state.mini_step == 0)
+
   def boundary_branch(operands):
-    return close(config, place, dtypes, header, window, operands, params, value, extra)
+    return close(
+      config, place, dtypes, header, window, operands, params, value, extra, nothing_to_close
+    )
 
   operands = (window.grad_sum, state.inner_state)
   branches = _vma.agree((boundary_branch, between), operands, (grads, state, params, w, extra))
@@ -141,7 +147,7 @@ def add_microbatch(config, state, grads, w, value) -> st.Window:
   return new
 
 
-def close(config, place, dtypes, header, window, operands, params, value, extra):
+def close(config, place, dtypes, header, window, operands, params, value, extra, nothing_to_close):
   """The boundary: one finite check, then apply (inner once), skip or nothing (empty).
 
   Returns ``(output, grad_sum, inner_state, header)``, the header being the state's scalars
@@ -156,6 +162,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   scale = header.loss_scale.scale if config.loss_scale is not None else jnp.ones((), jnp.float32)
   d = agg.value(sums.weight_sum, header.num_updates)  # the weight sum, or the fixed denominator
   norm, finite = split.norm_and_finite(sums.grad_sum, d, scale)
+  finite = finite & agg.usable(d)  # a schedule's traced value <= 0 or not finite: skipped
   empty = sums.weight_sum == 0
   has_norm = ~empty & finite  # a NaN/Inf mean has no norm (an fp16 overflow has one)
   # The mean goes to the inner optimizer in dtypes.mean: it must fit there too.
@@ -170,7 +177,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra)
   spike = jnp.zeros((), jnp.bool_)
   if config.guard:  # a finite window the guard skips: nothing but num_spikes changes
     spike = ~empty & finite & _guard.judge(config.guard, header.guard, stats)
-  runs = ~empty | agg.apply_empty  # a fixed denominator may apply an empty window (DP-SGD)
+  runs = ~empty | (agg.apply_empty & ~nothing_to_close)  # DP-SGD applies an empty window
   apply = runs & (finite | (not config.skip_nonfinite)) & ~spike
   inner_args = dict(extra)
   if value is not None:
@@ -301,6 +308,7 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
       f"accumulate's update needs its AccumulationState, got {type(state).__name__}. "
       "Pass the state returned by tx.init / tx.update."
     )
+  check_trees(grads, state.window.grad_sum, params, config.accumulator_dtype)
   features = (
     ("loss_scale", config.loss_scale is not None, "loss_scale"),
     ("token_budget", config.budget is not None, "window_weight"),
@@ -317,9 +325,19 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
     got = got._replace(aggregation=_aggregation.fingerprint(state.aggregation))
     want = config.fingerprint._replace(aggregation=config.aggregation.fingerprint(grads))
     problems = st.fingerprint_problems(got, want)
+  elif not problems:  # traced values (under jit): what can be compared is the structure
+    problems = _inner_structure_problems(config, grads, state.inner_state)
   st.raise_on_problems(problems, "This optimizer state")
-  check_trees(grads, state.window.grad_sum, params, config.accumulator_dtype)
   _vma.check_replicated(params, config.axis_name)
+
+
+def _inner_structure_problems(config, grads: PyTree, inner_state: Any) -> list[str]:
+  """Whether ``inner_state`` has the structure this configuration's inner optimizer makes
+  (``reduce=`` wraps it in ``optax.masked``); the fingerprint's values are traced under jit."""
+  inner = config.aggregation.inner_for(config.inner, grads)
+  if jax.tree.structure(inner_state) == jax.tree.structure(jax.eval_shape(inner.init, grads)):
+    return []
+  return ["its inner state's structure is not this configuration's inner optimizer's"]
 
 
 def check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:

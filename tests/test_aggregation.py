@@ -85,6 +85,59 @@ def test_empty_window_with_a_fixed_denominator(apply_empty):
   assert_state_finite(state)
 
 
+def test_flush_of_a_window_without_microbatches_is_a_no_op_with_apply_empty():
+  """An epoch's-end flush adds no DP-SGD step when the last window closed on its own; a window
+  of weight-0 microbatches is one (Poisson sampling drew nothing) and is applied."""
+  tx = optax_accum.accumulate(optax.adam(0.1), every_k=2, denominator=4.0, apply_empty=True)
+  params = {"w": jnp.array([1.0, -2.0])}
+  ones = {"w": np.ones(2)}
+  params, state, _ = run(tx, [ones, ones], [1, 1], params)  # one full window
+  updates, flushed = optax_accum.flush(tx, state, params)
+  assert not np.any(updates["w"])
+  assert not flushed.updated  # nothing applied by this call; all else as it was:
+  jax.tree.map(np.testing.assert_array_equal, flushed._replace(updated=state.updated), state)
+  # One empty microbatch open, then a flush: that window was drawn, so it is applied.
+  _, state = tx.update({"w": np.zeros(2)}, state, params, weight=0)
+  updates, state = optax_accum.flush(tx, state, params)
+  assert int(state.num_updates) == 2 and int(state.inner_state[0].count) == 2
+  assert np.all(updates["w"] != 0)  # Adam on a zero gradient still moves: its momentum
+
+
+def test_a_schedule_value_that_cannot_divide_raises_eagerly_and_skips_under_jit():
+  """A denominator schedule's value must be finite and > 0, like a fixed one: concrete, it
+  raises; traced (under jit), the window is skipped and counted, nothing else changes."""
+  params, ones = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1, denominator=lambda n: 4.0 - 4.0 * n)
+  state = tx.init(params)
+  params, state = optax_accum.update_and_apply(tx, ones, state, params)  # N = 4
+  np.testing.assert_array_equal(params["w"], [-0.25, -0.25])
+  with pytest.raises(ValueError, match="the denominator schedule's value must be finite and > 0"):
+    optax_accum.update_and_apply(tx, ones, state, params)  # N = 0
+  step = jax.jit(lambda p, s: optax_accum.update_and_apply(tx, ones, s, p))
+  new, state = step(params, state)
+  np.testing.assert_array_equal(new["w"], params["w"])
+  assert int(state.num_skipped) == 1 and int(state.num_updates) == 1
+  assert_state_finite(state)
+  negative = optax_accum.accumulate(optax.sgd(1.0), every_k=1, denominator=lambda n: -2.0)
+  with pytest.raises(ValueError, match="got -2.0"):  # a constant: concrete under jit too
+    jax.jit(lambda s: negative.update(ones, s, params))(negative.init(params))
+
+
+def test_in_step_denominator_arrays_are_checked():
+  loss = lambda w, mb: jnp.mean((mb - w) ** 2)
+  for bad in (jnp.asarray(0.0), jnp.asarray(-2.0), np.float32(np.inf)):
+    with pytest.raises(ValueError, match="denominator must be finite and > 0"):
+      optax_accum.microbatched_value_and_grad(loss, 2, denominator=bad)
+  with pytest.raises(TypeError, match=r"denominator must be a real scalar \(0-d\)"):
+    optax_accum.microbatched_value_and_grad(loss, 2, denominator=jnp.asarray([2.0, 4.0]))
+  batch = jnp.arange(4.0)
+  f = lambda d: optax_accum.microbatched_value_and_grad(loss, 2, denominator=d)(0.0, batch)
+  value, grad = jax.jit(f)(jnp.asarray(8.0))  # traced: used as it is
+  sq = np.arange(4.0) ** 2  # each microbatch's mean loss has weight 2 (its rows): sum / 8
+  np.testing.assert_allclose(float(value), 2 * (sq[:2].mean() + sq[2:].mean()) / 8, rtol=1e-6)
+  np.testing.assert_allclose(float(grad), -2 * np.arange(4.0).sum() / 8, rtol=1e-6)
+
+
 def test_apply_empty_needs_a_denominator_and_bad_values_raise():
   with pytest.raises(ValueError, match="apply_empty=True needs a fixed denominator"):
     optax_accum.accumulate(optax.sgd(1.0), every_k=2, apply_empty=True)
@@ -200,6 +253,39 @@ def test_a_callable_rule_of_the_params_and_a_bad_prefix():
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce={"m": "max"})
   with pytest.raises(ValueError, match="reduce= must be a rule or a tree prefix"):
     tx.init(params)
+
+
+def test_a_dict_prefix_names_paths_of_any_mapping_and_refuses_what_the_params_lack():
+  """Matched by key path: a dict prefix reaches the leaves of a FrozenDict-like mapping and of
+  None entries; a name the params lack, or a leaf the prefix misses, raises (nothing dropped)."""
+  grads, weights = rule_data()
+  params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce={"m": "max", "l": "mean",
+                                                                  "s": "mean"})  # fmt: skip
+  new, _, _ = run(tx, grads, weights, params)
+  seen = [g for g, w in zip(grads, weights, strict=True) if w]
+  np.testing.assert_array_equal(new["m"], np.max([g["m"] for g in seen], 0).astype(np.float32))
+  for prefix in ({"m": "max", "l": "mean", "s": "mean", "x": "max"}, {"m": {"a": "max"}}):
+    bad = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce=prefix)
+    with pytest.raises(ValueError, match="reduce= must be a rule or a tree prefix"):
+      bad.init(params)
+  nested = {"a": {"m": jnp.zeros(3)}, "n": None, "s": [jnp.zeros(2)]}
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, reduce={"a": "max", "s": ["sum"]})
+  assert tx.init(nested).aggregation.rules.tolist() == [2, 1]  # 'max', 'sum'
+
+
+def test_wrong_gradient_trees_and_jitted_states_of_another_rule_get_clear_errors():
+  params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, denominator=8)
+  listed = {k: [v, v] for k, v in params.items()}
+  with pytest.raises(ValueError, match="The gradient tree does not match"):
+    tx.update(listed, tx.init(params), params)
+  # Under jit the fingerprint's values are traced; a masked inner state still tells.
+  maxed = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce={"m": "max", "l": "mean",
+                                                                     "s": "mean"})  # fmt: skip
+  step = jax.jit(lambda s: maxed.update(params, s, params))
+  with pytest.raises(ValueError, match="inner state's structure is not this configuration's"):
+    step(tx.init(params))
 
 
 def test_restoring_a_state_of_another_rule_raises():

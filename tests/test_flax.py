@@ -193,6 +193,29 @@ def test_fused_optimizer_equals_window_means_and_counts_updates():
   assert int(m.num_microbatches) == 8 and int(m.mini_step) == 0
 
 
+def test_fused_optimizer_takes_a_dict_prefix_of_rules():
+  """reduce= as a plain dict over an nnx.State: l1 the weighted mean (one grad of the window's
+  concatenated batch), l2 overwritten with the max of its microbatches' values."""
+  (window,) = _windows(VALID[:1])
+  model = MLP(nnx.Rngs(0))
+  start = nnx.clone(model)
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=K, reduce={"l1": "mean", "l2": "max"})
+  opt = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
+  step = nnx.jit(lambda m, o, x, y, mask: o.update(m, nnx.grad(_nnx_loss)(m, x, y, mask),
+                                                    weight=mask.sum()))  # fmt: skip
+  for mb in window:
+    step(model, opt, *mb)
+  l1_grad = _params(nnx.grad(_nnx_loss)(start, *_concat(window)))["l1"]
+  l2_grads = [_params(nnx.grad(_nnx_loss)(start, *mb))["l2"] for mb in window]
+  l1_start = _params(start)["l1"]
+  expected = {
+    "l1": jax.tree.map(lambda p, g: p - g, l1_start, l1_grad),
+    "l2": jax.tree.map(lambda *g: jnp.max(jnp.stack(g), axis=0), *l2_grads),
+  }
+  chex.assert_trees_all_close(_params(model), expected, rtol=1e-5, atol=1e-7)
+  assert int(opt.step[...]) == 1
+
+
 def test_fused_optimizer_discard_and_plain_tx():
   windows = _windows()
   with_extra = [windows[0], windows[1][:1], windows[2]]

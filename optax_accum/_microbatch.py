@@ -177,6 +177,8 @@ def _value_and_grad(
 ) -> tuple[Any, PyTree]:
   """One call of ``f``: split, scan, one reduction over devices, one division."""
   name, axes, mesh = _mesh.resolve(cfg.axis_name, batch)
+  if name is None:
+    _mesh.check_without_axis_name(params, batch)
   lanes = _mesh.num_lanes(mesh, axes) if name == "jit" else 0
   if lanes and cfg.has_state:
     raise ValueError(

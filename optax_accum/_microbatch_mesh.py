@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import _checks
-from optax_accum._vma import pcast_varying
+from optax_accum._vma import pcast_varying, varying
 
 PyTree = Any
 
@@ -126,6 +126,21 @@ def resolve(axis_name: Any, batch: PyTree) -> tuple[str | None, tuple[str, ...],
       f"manual ones {tuple(a for a, m in zip(axes, manual, strict=True) if m)}."
     )
   return "jit", axes, mesh
+
+
+def check_without_axis_name(params: PyTree, batch: PyTree) -> None:
+  """Without ``axis_name``: refuses a batch that varies over a ``shard_map`` axis its params do
+  not (JAX would sum each microbatch's gradient over the devices, unweighted)."""
+  rows = frozenset().union(*(varying(x) for x in jax.tree.leaves(batch)))
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if axes := sorted(rows - varying(p)):
+      raise ValueError(
+        f"microbatched_value_and_grad without axis_name inside shard_map: the batch varies "
+        f"over the mesh axes {axes} (each device its own rows) but params"
+        f"{jax.tree_util.keystr(path)} does not, so JAX would sum every microbatch's gradient "
+        f"over the devices with equal weights. Pass axis_name={axes[0]!r}: the sums are "
+        "weighted by the global weight and reduced once, after the scan."
+      )
 
 
 def num_lanes(mesh: Any, axes: tuple[str, ...]) -> int:
@@ -239,10 +254,10 @@ def carry_zeros(struct: Any, dtype: Any, mesh: Any, axes: tuple[str, ...], lanes
     x = constrain(jnp.zeros(struct.shape, dtype), mesh, axes, 0)
   else:
     x = jnp.zeros(struct.shape, dtype)
-  varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
-  if varying is None:  # JAX < 0.9: the type's `vma`
-    varying = getattr(struct, "vma", None)
-  return pcast_varying(x, tuple(sorted(varying))) if varying else x
+  axes_varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
+  if axes_varying is None:  # JAX < 0.9: the type's `vma`
+    axes_varying = getattr(struct, "vma", None)
+  return pcast_varying(x, tuple(sorted(axes_varying))) if axes_varying else x
 
 
 def like_params(grads: PyTree, params: PyTree) -> PyTree:

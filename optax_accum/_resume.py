@@ -244,7 +244,7 @@ def check_compatible(
   want, got = _leaves_by_path(expected), _leaves_by_path(state)
   _check_layout(got)
   _check_accumulation(want, got)
-  problems = []
+  problems, one_axis_more = [], False
   for path in sorted(want.keys() - got.keys()):
     problems.append(f"  {path}: missing from the restored state")
   for path in sorted(got.keys() - want.keys()):
@@ -256,14 +256,22 @@ def check_compatible(
     if stacked and w_shape and w_shape[0] == -1:
       w_shape = (g_shape[0] if g_shape else -1, *w_shape[1:])
     if w_shape != g_shape or jnp.dtype(w.dtype) != jnp.dtype(g.dtype):
+      one_axis_more |= not stacked and g_shape[1:] == w_shape
       problems.append(
         f"  {path}: restored {jnp.dtype(g.dtype)}{list(g_shape)}, "
         f"tx.init gives {jnp.dtype(w.dtype)}{list(w_shape)}"
       )
   if problems:
+    hint = (
+      "\nThe restored window has a leading device axis: a stack_windows state (shard_map, "
+      "axis_name=) is checked with check_compatible(..., stacked=True)."
+      if one_axis_more
+      else ""
+    )
     raise ValueError(
       "The restored optimizer state does not match this transformation:\n"
       + "\n".join(problems)
+      + hint
       + "\nRestore with the configuration that wrote the checkpoint (the same inner "
       "optimizer, accumulator_dtype and param dtypes), or start a fresh optimizer state "
       "with tx.init(params) and keep only the params."

@@ -329,6 +329,7 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
     problems = _inner_structure_problems(config, grads, state.inner_state)
   st.raise_on_problems(problems, "This optimizer state")
   _vma.check_replicated(params, config.axis_name)
+  _vma.check_grads(grads, params, state.window.grad_sum, config.axis_name)
 
 
 def _inner_structure_problems(config, grads: PyTree, inner_state: Any) -> list[str]:
@@ -360,9 +361,17 @@ def check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> No
   for name, g, *rest in zip(names, *leaves, strict=True):
     for other in rest:
       if np.shape(g) != np.shape(other):
+        stacked = other is rest[0] and np.shape(other)[1:] == np.shape(g)
         raise ValueError(
           f"Gradient leaf {name} has shape {np.shape(g)} but the params/state have "
-          f"{np.shape(other)}. Pass gradients of the same params the state was made for."
+          f"{np.shape(other)}. "
+          + (
+            "The state holds a window per device (sharding.stack_windows): inside shard_map, "
+            "pass tx.update sharding.local_state(opt_state) and return "
+            "sharding.stacked_state(new_state)."
+            if stacked
+            else "Pass gradients of the same params the state was made for."
+          )
         )
     a = rest[0]
     if _numerics.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:

@@ -109,3 +109,46 @@ def check_replicated(params: PyTree, axis_name: str | tuple[str, ...] | None) ->
         "differentiate with respect to a device-varying copy only: "
         f"jax.grad(loss)(jax.lax.pcast(params, {axis_name!r}, to='varying'), batch)."
       )
+
+
+def check_grads(grads: PyTree, params: PyTree, acc: PyTree, axis_name: Any) -> None:
+  """Raises where the gradients' device variance says the window would be summed wrongly.
+
+  Under ``accumulate(axis_name=...)`` the axis must be bound (``shard_map``, ``vmap``), and a
+  gradient must vary over it wherever the window sums do: one that does not was summed over
+  the devices already (the params were not cast to varying), and weighting that sum by the
+  device's own weight is not the batch's gradient. Without ``axis_name``, a gradient that
+  varies over an axis its param does not (each device its own microbatch) needs one.
+  Nothing is checked under ``check_vma=False`` (no variance is typed).
+  """
+  if axis_name is not None:
+    try:
+      jax.lax.axis_size(_axes(axis_name))
+    except NameError:
+      raise ValueError(
+        f"accumulate(..., axis_name={axis_name!r}) sums the window over that mesh axis, but "
+        "no such axis is bound where tx.update runs. Run the step inside jax.shard_map over "
+        "it (axis_names= for a partial-manual shard_map, as in docs/scaling.md's HSDP "
+        "section); under plain jax.jit, where the compiler handles every axis, leave "
+        "axis_name out."
+      ) from None
+  paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+  like = jax.tree.leaves(acc if params is None else params)
+  for (path, g), a, other in zip(paths, jax.tree.leaves(acc), like, strict=True):
+    name = f"grads{jax.tree_util.keystr(path)}"
+    if axis_name is not None:
+      summed = (set(_axes(axis_name)) & varying(a)) - varying(g)
+      if summed:
+        raise ValueError(
+          f"{name} is the same on every device of {sorted(summed)} (not device-varying), but "
+          f"accumulate(..., axis_name={axis_name!r}) needs each device's own gradient: JAX "
+          "summed it over the devices because the params it was taken with are replicated. "
+          f"Differentiate with respect to jax.lax.pcast(params, {axis_name!r}, "
+          "to='varying') (docs/scaling.md, trap 1)."
+        )
+    elif local := varying(g) - varying(other):
+      raise ValueError(
+        f"{name} varies over the mesh axes {sorted(local)} (each device its own microbatch), "
+        f"but accumulate has no axis_name: pass accumulate(..., axis_name={sorted(local)[0]!r})"
+        " to sum the window over the devices once, at the boundary (docs/scaling.md)."
+      )

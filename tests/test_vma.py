@@ -200,11 +200,51 @@ def test_one_all_reduce_per_window(check_vma):
   assert dict(counts["in_conditional"]) == _compat.one_psum(5), counts
 
 
-def test_trap_grad_of_replicated_params_all_reduces_every_microstep():
-  """check_vma=True without pcast: jax.grad psums the gradient on every microstep."""
+def test_trap_grad_of_replicated_params_is_refused():
+  """check_vma=True without pcast: jax.grad sums the devices' mean gradients (equal weights)
+  on every microstep; weighted again by each device's weight that is no batch's gradient, so
+  accumulate refuses it and names the fix."""
+  mesh = _compat.make_mesh((N_DEV,), (AXIS,))
+  host = jax.tree.map(np.asarray, make_data([COUNTS[0]])[0])
+  params, batch = place(mesh, PARAMS0, P()), place(mesh, host, P(AXIS))
+  grad = jax.shard_map(jax.grad(loss_fn), mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
+  summed = jax.jit(grad)(params, batch)  # what the trap hands tx.update on every device
+  rows = lambda d: jax.tree.map(lambda x: x[d * TOKENS : (d + 1) * TOKENS], host)
+  per_device = [jax.grad(loss_fn)(PARAMS0, rows(d)) for d in range(N_DEV) if COUNTS[0][d]]
+  np.testing.assert_allclose(summed["b"], sum(g["b"] for g in per_device), rtol=1e-5)
   tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)
-  counts = count(tx, check_vma=True, pcast=False)
-  assert counts["outside"]["all-reduce"] >= 1, counts
+  with pytest.raises(ValueError, match=r"not device-varying.*pcast\(params, 'data'"):
+    count(tx, check_vma=True, pcast=False)
+
+
+def test_forgotten_or_unbound_axis_name_is_named():
+  """Per-device gradients with no axis_name, and an axis_name no shard_map binds, raise with
+  the argument to pass instead of an internal lax.cond or axis_index error."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K)
+  mesh, params, _, _ = setup(optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS),
+                             PARAMS0)  # fmt: skip
+  state = tx.init(PARAMS0)
+  batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
+
+  def body(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(_compat.pcast_varying(params, AXIS), batch)
+    return tx.update(grads, opt_state, params)
+
+  step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P()))
+  with pytest.raises(ValueError, match="accumulate has no axis_name: pass .*axis_name='data'"):
+    jax.jit(step).lower(params, state, batch)
+  unbound = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, axis_name=AXIS)
+  with pytest.raises(ValueError, match="no such axis is bound where tx.update runs"):
+    jax.jit(unbound.update)(PARAMS0, unbound.init(PARAMS0), PARAMS0)
+
+
+def test_in_step_without_axis_name_inside_shard_map_is_refused():
+  mesh = _compat.make_mesh((N_DEV,), (AXIS,))
+  batch = place(mesh, make_data([[4] * N_DEV])[0], P(AXIS))
+  f = optax_accum.microbatched_value_and_grad(loss_fn, 2, weight_fn=lambda mb: mb["mask"].sum())
+  step = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
+  with pytest.raises(ValueError, match="without axis_name inside shard_map.*axis_name='data'"):
+    jax.jit(step).lower(place(mesh, PARAMS0, P()), batch)
 
 
 def test_trap_per_device_window_cannot_be_returned_replicated():

@@ -192,8 +192,11 @@ def test_resume_shard_map_windows_is_bitwise_equal(tmp_path):
   params_b, state_b, rest = run(step, params_b, state_b, batches[SAVE_AFTER:], batch_sharding)
   chex.assert_trees_all_equal((params_b, state_b, updates_b + rest), (params_a, state_a, updates_a))
   assert_state_finite(state_b)
-  with pytest.raises(ValueError, match="acc"):  # a stacked state is not a plain one
-    optax_accum.sharding.check_compatible(tx, params0, state_b)
+  with pytest.raises(ValueError, match="(?s)grad_sum.*check_compatible\\(..., stacked=True\\)"):
+    optax_accum.sharding.check_compatible(tx, params0, state_b)  # a stacked state, said so
+  local = make_tx()  # and an eager tx.update on it names local_state
+  with pytest.raises(ValueError, match="(?s)a window per device.*sharding.local_state"):
+    local.update(params0, jax.device_get(state_b), params0)
 
 
 @pytest.fixture

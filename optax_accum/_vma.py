@@ -58,13 +58,18 @@ def per_device_window(
   has from the start the type ``update`` returns (a valid ``lax.scan`` carry). Outside
   ``shard_map`` over these axes (or ``axis_name=None``) ``state`` is returned as it is.
   """
-  if axis_name is None:
-    return state
-  try:
-    jax.lax.axis_size(_axes(axis_name))
-  except NameError:  # not inside shard_map over these axes
+  if axis_name is None or not _bound(axis_name):  # not inside shard_map over these axes
     return state
   return map_window(lambda x: _vary(x, _axes(axis_name)), state)
+
+
+def _bound(axis_name: str | tuple[str, ...]) -> bool:
+  """Whether every axis of ``axis_name`` is bound here (``shard_map``, ``vmap``)."""
+  try:
+    jax.lax.axis_size(_axes(axis_name))
+  except NameError:
+    return False
+  return True
 
 
 def agree(branches: tuple, operands: PyTree, inputs: PyTree) -> tuple:
@@ -121,17 +126,14 @@ def check_grads(grads: PyTree, params: PyTree, acc: PyTree, axis_name: Any) -> N
   varies over an axis its param does not (each device its own microbatch) needs one.
   Nothing is checked under ``check_vma=False`` (no variance is typed).
   """
-  if axis_name is not None:
-    try:
-      jax.lax.axis_size(_axes(axis_name))
-    except NameError:
-      raise ValueError(
-        f"accumulate(..., axis_name={axis_name!r}) sums the window over that mesh axis, but "
-        "no such axis is bound where tx.update runs. Run the step inside jax.shard_map over "
-        "it (axis_names= for a partial-manual shard_map, as in docs/scaling.md's HSDP "
-        "section); under plain jax.jit, where the compiler handles every axis, leave "
-        "axis_name out."
-      ) from None
+  if axis_name is not None and not _bound(axis_name):
+    raise ValueError(
+      f"accumulate(..., axis_name={axis_name!r}) sums the window over that mesh axis, but "
+      "no such axis is bound where tx.update runs. Run the step inside jax.shard_map over "
+      "it (axis_names= for a partial-manual shard_map, as in docs/scaling.md's HSDP "
+      "section); under plain jax.jit, where the compiler handles every axis, leave "
+      "axis_name out."
+    )
   paths = jax.tree_util.tree_flatten_with_path(grads)[0]
   like = jax.tree.leaves(acc if params is None else params)
   for (path, g), a, other in zip(paths, jax.tree.leaves(acc), like, strict=True):

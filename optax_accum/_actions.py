@@ -3,8 +3,9 @@
 One spelling per action: :func:`flush` closes the open window (or pass
 ``flush=True`` with the last microbatch to any update), :func:`discard` drops
 it, :func:`update_and_apply` is ``tx.update`` plus ``optax.apply_updates``
-(fused for an :class:`optax_accum.Accumulation`). The Flax integrations call
-these. docs/design.md maps the modules.
+(fused for the transformation ``accumulate`` returns). The Flax integrations call
+these, and a ``weight`` that a wrapper would drop is refused (``_delivery``).
+docs/design.md maps the modules.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _numerics, pitfalls
+from optax_accum import _delivery, _numerics, _pitfalls
 from optax_accum._accumulate import Accumulation
 from optax_accum._state import (
   AccumulationState,
@@ -64,7 +65,7 @@ def discard(opt_state: PyTree) -> PyTree:
     >>> int(optax_accum.metrics(state).mini_step), float(optax_accum.metrics(state).pending_weight)
     (0, 0.0)
   """
-  pitfalls.check_state(opt_state, AccumulationState)
+  _pitfalls.check_state(opt_state, AccumulationState)
   return map_states(_empty_window, opt_state)
 
 
@@ -75,15 +76,20 @@ def flush(
 
   The mean divides by the weight accumulated so far (by 2 for the last two examples of an
   epoch, not by ``every_k``); the flush is not counted as a microbatch. Flushing an empty
-  window is a no-op: zero updates, inner state unchanged, nothing counted.
+  window is a no-op: zero updates, inner state unchanged, nothing counted. The flush reaches
+  ``accumulate`` through the state (its ``flush_pending`` flag, set for this one call), so it
+  works through any wrapper, even one that passes no extra arguments (``optax.lookahead``).
 
   Args:
     tx: :func:`optax_accum.accumulate`'s transformation, or any transformation containing
-      it (an ``optax.chain``, say); other members see an all-zero gradient.
+      it (an ``optax.chain``, ``optax.lookahead``, say); other members see an all-zero
+      gradient.
     state: the optimizer state of ``tx``.
-    params: the current params; zero gradients of their shapes and dtypes go through ``tx``.
-    **extra_args: forwarded to ``tx.update``. The inner optimizer's ``value`` is the
-      window's weighted mean ``value``; a ``value`` passed here is ignored.
+    params: the current params, as ``tx.update`` takes them (``optax.lookahead``'s
+      ``LookaheadParams`` too); zero gradients shaped like the window go through ``tx``.
+    **extra_args: forwarded to ``tx.update`` (for a ``tx`` that takes extra arguments). The
+      inner optimizer's ``value`` is the window's weighted mean ``value``; a ``value`` passed
+      here is ignored.
 
   Returns:
     ``(updates, new_state)``, exactly like ``tx.update``: apply the updates
@@ -94,6 +100,7 @@ def flush(
       plain optimizer would run a real step on zero gradients), or several,
       or if ``state`` is not a state of ``tx`` for these ``params`` (its tree,
       shapes or dtypes differ from ``tx.init(params)``'s).
+    TypeError: ``extra_args`` for a ``tx`` that takes none.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -107,9 +114,8 @@ def flush(
     Array(9.5, dtype=float32)
   """
   _check_belongs(tx, state, params)
-  pitfalls.check_state(state, AccumulationState)
-  s = find_states(state)
-  if not s:
+  _pitfalls.check_state(state, AccumulationState)
+  if not find_states(state):
     raise ValueError(
       f"flush needs the state of optax_accum.accumulate (or of a chain containing it), got "
       f"a {type(state).__name__} without one: flushing a plain optimizer would run a real "
@@ -117,12 +123,32 @@ def flush(
     )
   s = find_state(state)  # exactly one
   extra_args = {k: v for k, v in extra_args.items() if k != "value"}
-  value = _numerics.guarded_divide(s.window.value_sum, s.window.value_weight)
-  grads = optax.tree.zeros_like(params)
-  out, new_state = tx.update(grads, state, params, weight=0, flush=True, value=value, **extra_args)
-  # A flush consumed no data: num_microbatches is put back.
-  position = s.num_microbatches
-  return out, map_states(lambda n: n._replace(num_microbatches=position), new_state)
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    extra_args["value"] = _numerics.guarded_divide(s.window.value_sum, s.window.value_weight)
+  elif extra_args:
+    raise TypeError(
+      f"flush got extra arguments {sorted(extra_args)} for a tx that takes none (a plain "
+      "optax.GradientTransformation): leave them out."
+    )
+  marked = map_states(lambda a: a._replace(flush_pending=_true_like(a.flush_pending)), state)
+  return tx.update(_zero_grads(s, params), marked, params, **extra_args)
+
+
+def _true_like(flag: Any) -> Any:
+  """True where ``flag`` was (a Flax variable stays a variable)."""
+  true = jnp.ones_like(unwrap(flag))
+  return flag.replace(true) if is_variable(flag) else true
+
+
+def _zero_grads(s: AccumulationState, params: PyTree) -> PyTree:
+  """Zero gradients for a flush: like the params where they match the window's tree, else
+  (``optax.lookahead``'s params hold a fast and a slow copy) like the window's sums."""
+  window = s.window.grad_sum
+  if isinstance(window, optax.EmptyState) or jax.tree.structure(params) == jax.tree.structure(
+    window
+  ):
+    return optax.tree.zeros_like(params)
+  return jax.tree.map(jnp.zeros_like, window)
 
 
 def _check_belongs(tx: optax.GradientTransformation, state: PyTree, params: PyTree) -> None:
@@ -182,8 +208,14 @@ def update_and_apply(
     input (params cast like ``params``, as ``optax.apply_updates`` does).
 
   Raises:
-    ValueError: if ``params`` is None on the fused path; otherwise what
-      ``tx.update`` raises.
+    ValueError: if ``params`` is None on the fused path; if a wrapper around ``accumulate``
+      dropped ``weight``, ``flush`` or ``value`` (``optax.lookahead``), naming it; otherwise
+      what ``tx.update`` raises.
+    TypeError: ``weight``, ``flush`` or ``value`` for a ``tx`` that takes no extra arguments.
+
+  Warns:
+    PitfallWarning: one ``weight`` given to several ``accumulate`` states (an
+      ``optax.multi_transform`` of accumulators: docs/porting.md shows one weight each).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -197,6 +229,8 @@ def update_and_apply(
   """
   if isinstance(tx, Accumulation):
     return tx.update_and_apply(grads, opt_state, params, **extra_args)
-  pitfalls.check_state(opt_state, AccumulationState)  # what sits around accumulate
-  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  _pitfalls.check_state(opt_state, AccumulationState)  # what sits around accumulate
+  _pitfalls.check_shared_weight(opt_state, AccumulationState, extra_args)
+  with _delivery.expect(tx, opt_state, extra_args):  # a wrapper must not drop weight=
+    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state

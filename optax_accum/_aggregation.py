@@ -1,27 +1,30 @@
-"""Aggregation rules: the window's denominator and how each leaf combines over the window.
+"""Aggregation: the window's denominator and how each leaf combines over the window.
 
-The default is the weighted mean, ``sum_i w_i g_i / sum_i w_i``, for every leaf. Two rules
-change it, on the across-step (``accumulate``) and in-step (``microbatched_value_and_grad``)
-paths alike:
+The default is the weighted mean, ``sum_i w_i g_i / sum_i w_i``, for every leaf.
+:func:`optax_accum.aggregate` changes it, on the across-step (``accumulate(aggregate=...)``)
+and in-step (``microbatched_value_and_grad(aggregate=...)``) paths alike:
 
 * ``denominator``: divide the weighted sum by a fixed number (or a schedule of ``num_updates``)
   instead of the realized weight: DP-SGD's expected batch size, a token count known before the
   update starts; ``denominator=1`` is the plain sum.
 * ``reduce``: per leaf, ``'mean'`` (by the denominator), ``'sum'``, ``'max'``, ``'last'`` or
   ``'grad_amax_history'`` (an FP8 amax history of a gradient: newest entry at index 0, Flax's
-  layout). The default gives Flax's ``_overwrite_with_gradient`` collection (FP8 scales and amax
-  histories) the rule that makes a window equal one physical batch, every other leaf ``'mean'``.
+  layout), given as a tree prefix of the params matched by key path. The default gives Flax's
+  ``_overwrite_with_gradient`` collection (FP8 scales and amax histories) the rule that makes a
+  window equal one physical batch, every other leaf ``'mean'``.
 
 Leaves reduced by max, last or the FP8 rule are *overwritten* at an applied boundary with the
 reduced value (Flax's ``TrainState`` rule for that collection) instead of going through the
 inner optimizer, unless ``overwrite=False``. Under ``axis_name`` they cross devices in one
 ``pmax`` (max-like leaves and the index of the last device with weight) before the window's
-``psum``: two all-reduces per window instead of one.
+``psum``: two all-reduces per window instead of one. The boundary reads the window through a
+:class:`Split`: the leaves grouped by what is done with them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -29,10 +32,111 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _checks, _leaf_rules, _numerics
-from optax_accum._leaf_rules import RULES
+from optax_accum import _checks, _numerics
 
 PyTree = Any
+
+RULES = ("mean", "sum", "max", "last", "grad_amax_history")
+FLAX_FP8 = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+@functools.lru_cache(maxsize=256)
+def defaults(treedef: Any) -> tuple[str, ...]:
+  """The default rule of each leaf of a tree structure (cached: eager calls read it)."""
+  dummy = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
+  return tuple(default_rule(path) for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0])
+
+
+def of_prefix(prefix: Any, tree: PyTree) -> tuple[str, ...]:
+  """Each leaf's rule from ``reduce=``'s tree prefix, matched by the leaves' key paths.
+
+  A dict prefix matches any mapping node by key (a dict, Flax's ``FrozenDict``, an NNX
+  ``nnx.State``), a list or tuple by position, a NamedTuple or dataclass by field name. Raises
+  for a leaf the prefix does not reach and for a name of the prefix the params lack.
+  """
+  used, rules = set(), []
+  # None entries of the params (no leaves) are walked too: a prefix may name them, or not.
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)[0]:
+    node, at = prefix, ()
+    for key in path:
+      if isinstance(node, str) or (leaf is None and _entry(node, key) is _MISSING):
+        break
+      node, at = _entry(node, key), (*at, _key_of(key))
+      if node is _MISSING:
+        raise _prefix_error(f"it has no entry for {at}, where the params have a leaf")
+      used.add(at)
+    if leaf is None:
+      continue
+    if not isinstance(node, str):
+      raise _prefix_error(f"it has {type(node).__name__} at {at}, below the leaf there")
+    if node not in RULES:
+      raise ValueError(f"reduce= has the rule {node!r}; each rule must be one of {RULES}.")
+    rules.append(node)
+  for at in _prefix_paths(prefix):
+    if at not in used:
+      raise _prefix_error(f"it names {at}, which the params do not have")
+  return tuple(rules)
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _key_of(key: Any) -> Any:
+  """A key path entry's name or index (``DictKey``, ``SequenceKey``, ``GetAttrKey``)."""
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  raise TypeError(f"reduce= cannot match a tree node with the key {key!r}: pass a callable.")
+
+
+_MISSING = object()
+
+
+def _entry(node: Any, key: Any) -> Any:
+  """A prefix node's entry for one key of a leaf's path, or ``_MISSING``."""
+  k = _key_of(key)
+  if isinstance(node, Mapping):
+    return node.get(k, _MISSING)
+  if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):  # by position
+    return node[k] if isinstance(k, int) and k < len(node) else _MISSING
+  return getattr(node, k, _MISSING) if isinstance(k, str) else _MISSING  # by field name
+
+
+def _prefix_paths(prefix: Any, at: tuple = ()) -> list[tuple]:
+  """Every path of ``prefix``'s containers' entries (dicts, lists, tuples, NamedTuples)."""
+  if isinstance(prefix, Mapping):
+    items = prefix.items()
+  elif isinstance(prefix, (list, tuple)):
+    items = zip(getattr(prefix, "_fields", range(len(prefix))), prefix, strict=True)
+  else:
+    return []
+  return [p for k, v in items for p in [(*at, k), *_prefix_paths(v, (*at, k))]]
+
+
+def _prefix_error(what: str) -> ValueError:
+  return ValueError(
+    f"reduce= must be a rule or a tree prefix of the params with a rule per subtree (dicts "
+    f"by key, lists by position), but {what}. Rules: {RULES}. Or pass a callable of the "
+    "params tree returning the prefix."
+  )
+
+
+def default_rule(path: tuple) -> str:
+  """``'mean'``; in Flax's ``_overwrite_with_gradient`` collection, its FP8 rule by leaf name.
+
+  The output-gradient amax history records the amax of each microbatch's gradient of its
+  mean loss: ``'grad_amax_history'``. The input and kernel histories and the scales are the
+  same function of the window's data in every microbatch but the newest amax: ``'max'``.
+  """
+  names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  if FLAX_FP8 not in names:
+    return "mean"
+  return "grad_amax_history" if names[-1] == "output_grad_amax_history" else "max"
+
+
+# ------------------------------------------------------------------ the rules, validated
+
 
 SUMMED = frozenset({"mean", "sum"})
 MAX_LIKE = frozenset({"max", "grad_amax_history"})
@@ -56,23 +160,34 @@ class AggregationState(NamedTuple):
 
 
 class Aggregation(NamedTuple):
-  """``accumulate``'s (or ``microbatched_value_and_grad``'s) aggregation arguments, validated."""
+  """How a window combines its microbatches; made by :func:`optax_accum.aggregate` (its Args).
 
-  denominator: float | Callable[[jax.Array], Any] | None
+  What the microstep calls: :meth:`init` (the sub-state), :meth:`add` (a microbatch into the
+  window), :meth:`all_reduce` (the window over the devices), :meth:`value` and :meth:`usable`
+  (the denominator), :meth:`split` (the boundary's leaf groups) and :meth:`inner_for` (the inner
+  optimizer, masked from overwritten leaves).
+  """
+
+  denominator: float | Callable[[jax.Array], Any] | jax.Array | None
   apply_empty: bool
   reduce: Any
   overwrite: bool
+
+  @property
+  def weighted_mean(self) -> bool:
+    """Every setting at its default: the weighted mean (Flax FP8 leaves aside)."""
+    return self.denominator is None and not self.apply_empty and self.reduce is None
 
   def rules(self, tree: PyTree) -> tuple[str, ...]:
     """The rule of each leaf of ``tree`` (grads or params), in ``jax.tree.leaves`` order."""
     if self.reduce is None:
       try:
-        return _leaf_rules.defaults(jax.tree.structure(tree))
+        return defaults(jax.tree.structure(tree))
       except (TypeError, ValueError):  # a node type that cannot be rebuilt from placeholders
         paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return tuple(_leaf_rules.default_rule(path) for path, _ in paths)
+        return tuple(default_rule(path) for path, _ in paths)
     prefix = self.reduce(tree) if callable(self.reduce) else self.reduce
-    return _leaf_rules.of_prefix(prefix, tree)
+    return of_prefix(prefix, tree)
 
   def active(self, tree: PyTree) -> bool:
     """Whether the state carries an :class:`AggregationState` (anything but the default)."""
@@ -90,6 +205,27 @@ class Aggregation(NamedTuple):
       return inner
     mask = jax.tree.unflatten(jax.tree.structure(tree), [not f for f in flags])
     return optax.with_extra_args_support(optax.masked(inner, mask))
+
+  def add(self, acc: PyTree, grads: PyTree, w: jax.Array, first: Any) -> PyTree:
+    """The window's sums with a microbatch of weight ``w`` added, leaf by leaf per rule."""
+    return add(self.rules(acc), acc, grads, w, first)
+
+  def all_reduce(self, grads: PyTree, rest: PyTree, has: jax.Array, axis_name: Any):
+    """``(grads, rest)`` summed over ``axis_name`` in one variadic ``psum`` (max/last leaves: a
+    ``pmax`` first); ``has``: whether this device's window has weight."""
+    return reduce_devices(
+      self.rules(grads),
+      grads,
+      rest,
+      has,
+      jax.lax.axis_index(axis_name),
+      lambda t: jax.lax.psum(t, axis_name),
+      lambda t: jax.lax.pmax(t, axis_name),
+    )
+
+  def split(self, tree: PyTree) -> Split:
+    """The boundary's leaf groups of a window shaped like ``tree``."""
+    return Split.of(self, tree)
 
   def value(self, weight_sum: jax.Array, num_updates: jax.Array | None) -> jax.Array:
     """The window's denominator: its weight sum, or the fixed number (schedule) in its dtype.
@@ -110,6 +246,15 @@ class Aggregation(NamedTuple):
       return jnp.ones((), jnp.bool_)
     return (d > 0) & jnp.isfinite(d)
 
+  def loss_denominator(self, value_weight: jax.Array, d: jax.Array) -> jax.Array:
+    """What the window's loss (``value``) is divided by: the weight of the microbatches that
+    passed one, or the fixed denominator."""
+    return value_weight if self.denominator is None else d
+
+  def state_fingerprint(self, sub: Any) -> tuple | None:
+    """A restored sub-state's fingerprint, comparable with :meth:`fingerprint`."""
+    return fingerprint(sub)
+
   def fingerprint(self, tree: PyTree) -> tuple | None:
     """What :class:`AggregationState` holds for ``tree``, as Python values (None: default)."""
     if not self.active(tree):
@@ -119,7 +264,7 @@ class Aggregation(NamedTuple):
     fixed = float(np.asarray(fixed, _numerics.scalar_dtype()))  # as the state stores it
     return (fixed, self.rules(tree), self.apply_empty, self.overwrite)
 
-  def init_state(self, tree: PyTree) -> AggregationState | optax.EmptyState:
+  def init(self, tree: PyTree) -> AggregationState | optax.EmptyState:
     """The sub-state ``init`` writes (``EmptyState`` for the default)."""
     fp = self.fingerprint(tree)
     if fp is None:
@@ -131,6 +276,84 @@ class Aggregation(NamedTuple):
       apply_empty=jnp.asarray(apply_empty),
       overwrite=jnp.asarray(overwrite),
     )
+
+
+def aggregate(
+  denominator: float | Callable[[jax.Array], Any] | jax.Array | None = None,
+  *,
+  apply_empty: bool = False,
+  reduce: Any = None,
+  overwrite: bool = True,
+) -> Aggregation:
+  """How a window combines its microbatches: the denominator and per-leaf rules.
+
+  For ``accumulate(inner, every_k, aggregate=...)`` and
+  ``microbatched_value_and_grad(..., aggregate=...)``. The default, ``aggregate()``, is the
+  weighted mean ``sum_i w_i g_i / sum_i w_i`` of every leaf (and Flax's FP8 rule in its
+  ``_overwrite_with_gradient`` collection). docs/aggregation.md.
+
+  Args:
+    denominator: None (default): divide the window's weighted sum by its weight sum. A number
+      > 0, or (across steps) a callable of ``num_updates`` (int32) returning one, or (in-step)
+      a 0-d array: divide by it whatever the realized weight (DP-SGD's expected batch size, a
+      token count known in advance; global under ``axis_name``); ``1``: the plain sum
+      ``sum_i w_i g_i``. The window's ``value`` (loss) is divided the same way. A schedule's
+      value that is not finite and > 0 raises where it is concrete; traced, it skips the window
+      (counted in ``num_skipped``). In-step, a fixed denominator needs an explicit
+      ``weight_fn`` (what each microbatch's gradient is multiplied by).
+    apply_empty: with a fixed ``denominator``, run the inner optimizer on the zero mean of an
+      empty window (weight 0: DP-SGD's noise is still added) instead of skipping it. A flush
+      of a window that holds no microbatch stays a no-op.
+    reduce: per-leaf rules, a rule or a tree prefix of the params with one per subtree (or a
+      callable of the params tree returning one): ``'mean'`` (by the denominator), ``'sum'``
+      (``sum_i w_i g_i``), ``'max'`` (elementwise, over the microbatches with weight > 0),
+      ``'last'``, ``'grad_amax_history'`` (an FP8 amax history of a gradient, newest entry
+      first: that entry is ``max_i w_i x_i / denominator``). None: ``'mean'``, and Flax's FP8
+      rule in its ``_overwrite_with_gradient`` collection. A dict prefix matches any mapping by
+      key (``nnx.State`` too). Max, last and FP8 leaves are values, not gradients: the loss
+      scale does not divide them.
+    overwrite: leaves reduced by max, last or the FP8 rule are overwritten with their window
+      value at an applied boundary (Flax's rule for that collection; exact on the fused path,
+      ``value - param`` from ``tx.update``) instead of going through ``inner``.
+
+  Returns:
+    An :class:`Aggregation`.
+
+  Raises:
+    TypeError, ValueError: naming a bad argument (a denominator not finite and > 0,
+      ``apply_empty`` without a denominator, an unknown rule).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2,
+    ...                             aggregate=optax_accum.aggregate(denominator=16))
+    >>> params = {'w': jnp.zeros(2)}
+    >>> u, state = tx.update({'w': jnp.array([1., 1.])}, tx.init(params), params, weight=3)
+    >>> u, state = tx.update({'w': jnp.array([5., 5.])}, state, params, weight=1)
+    >>> u['w']  # -(3 * 1 + 1 * 5) / 16: the fixed denominator, not the weight
+    Array([-0.5, -0.5], dtype=float32)
+
+  References:
+    Abadi et al. 2016, `Deep Learning with Differential Privacy
+    <https://arxiv.org/abs/1607.00133>`_ (the expected batch size); Hugging Face,
+    `Fixing gradient accumulation <https://huggingface.co/blog/gradient_accumulation>`_
+    (``num_items_in_batch``); Flax ``fp8_ops`` (the ``_overwrite_with_gradient`` collection).
+  """
+  if denominator is not None and not callable(denominator):
+    denominator = denominator_value(denominator)
+  for flag, name in ((apply_empty, "apply_empty"), (overwrite, "overwrite")):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"aggregate: {name} must be True or False, got {flag!r}.")
+  if apply_empty and denominator is None:
+    raise ValueError(
+      "aggregate: apply_empty=True needs a fixed denominator: an empty window has no weight to "
+      "divide by. Pass denominator= (e.g. DP-SGD's expected batch size)."
+    )
+  if reduce is not None and not callable(reduce):
+    for rule in jax.tree.leaves(reduce):
+      if rule not in RULES:
+        raise ValueError(f"aggregate: reduce has the rule {rule!r}; each must be one of {RULES}.")
+  return Aggregation(denominator, bool(apply_empty), reduce, bool(overwrite))
 
 
 def denominator_value(d: Any, name: str = "denominator") -> float | jax.Array:
@@ -153,41 +376,31 @@ def denominator_value(d: Any, name: str = "denominator") -> float | jax.Array:
   return d
 
 
-def check(denominator: Any, apply_empty: Any, reduce: Any, overwrite: Any) -> Aggregation:
-  """Validates the aggregation arguments, each error naming the argument and the fix."""
-  if denominator is not None and not callable(denominator):
-    denominator = denominator_value(denominator)
-  for flag, name in ((apply_empty, "apply_empty"), (overwrite, "overwrite")):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name} must be True or False, got {flag!r}.")
-  if apply_empty and denominator is None:
-    raise ValueError(
-      "apply_empty=True needs a fixed denominator: an empty window has no weight to divide "
-      "by. Pass denominator= (e.g. DP-SGD's expected batch size)."
-    )
-  if reduce is not None and not callable(reduce):
-    for rule in jax.tree.leaves(reduce):
-      if rule not in RULES:
-        raise ValueError(f"reduce= has the rule {rule!r}; each rule must be one of {RULES}.")
-  return Aggregation(denominator, bool(apply_empty), reduce, bool(overwrite))
-
-
-def check_in_step(denominator: Any, reduce: Any, noise_scale: bool) -> Aggregation:
-  """``microbatched_value_and_grad``'s aggregation: a denominator value (may be a 0-d array)."""
-  if callable(denominator):
+def check_in_step(aggregation: Any, noise_scale: bool, weight_fn: Any) -> Aggregation:
+  """``microbatched_value_and_grad``'s aggregation: a value, not a schedule; the weighted mean
+  with ``noise_scale``; a fixed denominator with an explicit ``weight_fn``."""
+  aggregation = aggregate() if aggregation is None else aggregation
+  if not isinstance(aggregation, Aggregation):
+    raise TypeError(f"aggregate must be optax_accum.aggregate(...) or None, got {aggregation!r}.")
+  if callable(aggregation.denominator):
     raise TypeError(
       "microbatched_value_and_grad takes a denominator value (a number or a 0-d array), "
-      "not a schedule: pass denominator=schedule(step) for this step."
+      "not a schedule: pass aggregate(denominator=schedule(step)) for this step."
     )
-  if noise_scale and (denominator is not None or reduce is not None):
+  if noise_scale and not aggregation.weighted_mean:
     raise ValueError(
-      "noise_scale=True estimates the noise of a weighted mean: leave out denominator= and "
-      "reduce=, or noise_scale."
+      "noise_scale=True estimates the noise of a weighted mean: leave out aggregate=, or "
+      "noise_scale."
     )
-  traced = isinstance(denominator, jax.core.Tracer)
-  aggregation = check(None if traced else denominator, False, reduce, True)
-  if traced:  # a value of this step (not checkable before it runs): its shape and dtype
-    return aggregation._replace(denominator=denominator_value(denominator))
+  if aggregation.denominator is not None and weight_fn is None:
+    raise ValueError(
+      "microbatched_value_and_grad with a fixed denominator needs weight_fn=, what each "
+      "microbatch's gradient is multiplied by before the division (accumulate's weight=, "
+      "whose default is 1): weight_fn=lambda mb: 1 for losses already at the window's scale "
+      "(e.g. a sum over the batch divided by its known total), or the count its mean is over "
+      "for mean losses (weight_fn=lambda mb: mb['mask'].sum(), or rows). The default, rows, "
+      "would differ from accumulate's default weight 1 (docs/aggregation.md)."
+    )
   return aggregation
 
 
@@ -307,3 +520,123 @@ def finish_other(rule: str, x: jax.Array, denom: jax.Array) -> jax.Array:
   nonzero = denom != 0
   safe = jnp.where(nonzero, denom, jnp.ones_like(denom)).astype(x.dtype)
   return jnp.where(_newest(x) & nonzero, x / safe, x)
+
+
+# ------------------------------------------------------------------ the boundary's leaf groups
+
+
+class Split(NamedTuple):
+  """A tree's leaves grouped by what the boundary does with them (trace time).
+
+  ``groups``: ``(indices, kind)`` of the leaves handed to the inner optimizer, ``kind`` their
+  divisor: ``'mean'`` (denominator times loss scale), ``'sum'`` (loss scale), ``'other'``
+  (none: max, last, the FP8 history). ``overwritten``: the indices of the other leaves.
+  """
+
+  rules: tuple[str, ...]
+  groups: tuple[tuple[tuple[int, ...], str], ...]
+  overwritten: tuple[int, ...]
+
+  @classmethod
+  def of(cls, agg: Aggregation, tree: PyTree) -> Split:
+    """The groups of ``tree``'s leaves under ``agg``'s rules."""
+    rules, flags = agg.rules(tree), agg.overwritten(tree)
+    kind = lambda r: r if r in SUMMED else "other"
+    groups = []
+    for k in ("mean", "sum", "other"):
+      idx = tuple(i for i, r in enumerate(rules) if kind(r) == k and not flags[i])
+      if idx:
+        groups.append((idx, k))
+    return cls(rules, tuple(groups), tuple(i for i, f in enumerate(flags) if f))
+
+  @property
+  def plain(self) -> bool:
+    """Every leaf a weighted mean: the boundary is today's, unchanged."""
+    return all(r == "mean" for r in self.rules)
+
+  def _divisor(self, kind: str, d: jax.Array, scale: jax.Array) -> jax.Array:
+    if kind == "mean":
+      return d * scale.astype(d.dtype)
+    return scale.astype(d.dtype) if kind == "sum" else jnp.ones_like(d)
+
+  def _leaves(self, idx, leaves, kind, d):
+    if kind != "other":
+      return [leaves[i] for i in idx]
+    return [finish_other(self.rules[i], leaves[i], d) for i in idx]
+
+  def norm_and_finite(self, g_sum: PyTree, d: jax.Array, scale: jax.Array):
+    """The global norm of what the inner optimizer gets and whether all of the window is finite."""
+    if self.plain:
+      return _numerics.norm_and_finite(g_sum, self._divisor("mean", d, scale))
+    leaves = jax.tree.leaves(g_sum)
+    sq, finite = jnp.zeros((), d.dtype), _numerics.all_finite(self.overwritten_values(g_sum, d))
+    for idx, kind in self.groups:
+      n, f = _numerics.norm_and_finite(
+        self._leaves(idx, leaves, kind, d), self._divisor(kind, d, scale)
+      )
+      dtype = _numerics.promote_types(sq.dtype, n.dtype)
+      sq, finite = sq.astype(dtype) + jnp.square(n.astype(dtype)), finite & f
+    return jnp.sqrt(sq), finite
+
+  def fits(self, g_sum, d, scale, norm, like) -> jax.Array:
+    """Whether the summed leaves' window values fit ``like``'s (maybe fp16) dtypes."""
+    if self.plain:
+      return _numerics.fits(g_sum, self._divisor("mean", d, scale), norm, like)
+    leaves, likes = jax.tree.leaves(g_sum), jax.tree.leaves(like)
+    ok = jnp.array(True)
+    for idx, kind in self.groups:
+      sub = self._leaves(idx, leaves, kind, d)
+      div = self._divisor(kind, d, scale)
+      ok = ok & _numerics.fits(sub, div, norm, [likes[i] for i in idx])
+    return ok
+
+  def window_values(self, g_sum, d, scale, like) -> PyTree:
+    """What the inner optimizer gets: each group's window value, cast like ``like``;
+    the overwritten leaves' reduced values (the inner does not see them)."""
+    if self.plain:
+      return _numerics.window_mean(g_sum, self._divisor("mean", d, scale), like)
+    leaves, treedef = jax.tree.flatten(g_sum)
+    likes = jax.tree.leaves(like)
+    out = list(leaves)
+    for idx, kind in self.groups:
+      sub = self._leaves(idx, leaves, kind, d)
+      div = self._divisor(kind, d, scale)
+      values = _numerics.window_mean(sub, div, [likes[i] for i in idx])
+      for i, v in zip(idx, values, strict=True):
+        out[i] = v
+    for i, v in zip(self.overwritten, self.overwritten_values(g_sum, d), strict=True):
+      out[i] = v.astype(likes[i].dtype)
+    return jax.tree.unflatten(treedef, out)
+
+  def overwritten_values(self, g_sum: PyTree, d: jax.Array) -> list[jax.Array]:
+    """The overwritten leaves' reduced values, in index order."""
+    leaves = jax.tree.leaves(g_sum)
+    return [finish_other(self.rules[i], leaves[i], d) for i in self.overwritten]
+
+  def overwrite_updates(self, updates: PyTree, values: PyTree, params: PyTree, keep) -> PyTree:
+    """The inner's updates with each overwritten leaf's ``value - param`` (zero where ``keep``)."""
+    if not self.overwritten:
+      return updates
+    if params is None:
+      raise ValueError(
+        "aggregate(reduce=...) overwrites max/last leaves at the boundary, which needs the "
+        "params: pass params to tx.update (or aggregate(..., overwrite=False) to hand them to "
+        "the inner optimizer)."
+      )
+    u, treedef = jax.tree.flatten(updates)
+    v, p = jax.tree.leaves(values), jax.tree.leaves(params)
+    for i in self.overwritten:
+      wide = _numerics.promote_types(v[i].dtype, p[i].dtype)
+      delta = v[i].astype(wide) - p[i].astype(wide)
+      u[i] = jnp.where(keep, jnp.zeros((), u[i].dtype), delta.astype(u[i].dtype))
+    return jax.tree.unflatten(treedef, u)
+
+  def overwrite_params(self, new_params: PyTree, values: PyTree, params: PyTree, keep) -> PyTree:
+    """``new_params`` with each overwritten leaf set to its value exactly (kept where ``keep``)."""
+    if not self.overwritten:
+      return new_params
+    n, treedef = jax.tree.flatten(new_params)
+    v, p = jax.tree.leaves(values), jax.tree.leaves(params)
+    for i in self.overwritten:
+      n[i] = jnp.where(keep, p[i], v[i].astype(p[i].dtype))
+    return jax.tree.unflatten(treedef, n)

@@ -1,6 +1,9 @@
-"""Loss scales for fp16 training: their configuration and their pure update rule.
+"""Loss scales for fp16 training: their configuration, their pure update rule and their sub-state.
 
-The policy lives in ``accumulate``'s closure; the scale and streak in :class:`LossScaleState`.
+A policy (``static_loss_scale``, ``dynamic_loss_scale``) lives in ``accumulate``'s closure; the
+scale and streak in :class:`LossScaleState`. The microstep reaches it through ``init``,
+``scale`` and ``close`` (:class:`_Policy`); without a loss scale it meets :data:`NO_LOSS_SCALE`,
+which keeps no state and whose scale is 1.
 """
 
 from __future__ import annotations
@@ -11,15 +14,55 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_accum import _checks, _numerics
+from optax_accum._protocols import Outcome
 
 # The scale lives in a float32 state: anything above this would be inf there.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+class LossScaleState(NamedTuple):
+  """The loss scale's sub-state of :class:`optax_accum.AccumulationState`.
+
+  ``scale`` (float32) multiplies the open window's loss; ``growth_streak`` (int32) counts applied
+  windows since it changed; ``dynamic`` (bool) fingerprints the policy kind for restores.
+  """
+
+  scale: jax.Array
+  growth_streak: jax.Array
+  dynamic: jax.Array
+
+
+class _Policy:
+  """What the microstep calls on a loss-scale policy: its sub-state, the scale in force, and the
+  sub-state after a window (``adjust`` unless the window was empty or a guard skipped it)."""
+
+  def init(self) -> LossScaleState:
+    """The sub-state of a fresh window under this policy."""
+    return LossScaleState(
+      scale=jnp.asarray(self.initial_scale(), jnp.float32),
+      growth_streak=jnp.zeros((), jnp.int32),
+      dynamic=jnp.asarray(self.kind == "dynamic"),
+    )
+
+  def scale(self, state: LossScaleState) -> jax.Array:
+    """The scale of the open window (float32 0-d)."""
+    return state.scale
+
+  def close(self, state: LossScaleState, outcome: Outcome) -> LossScaleState:
+    """The sub-state after a boundary: ``adjust`` unless the window was empty or a spike."""
+    keep = outcome.empty | outcome.spike
+    scale, streak = self.adjust(state.scale, state.growth_streak, outcome.finite)
+    return state._replace(
+      scale=jnp.where(keep, state.scale, scale),
+      growth_streak=jnp.where(keep, state.growth_streak, streak),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale:
+class StaticLossScale(_Policy):
   """A constant loss scale; make one with :func:`static_loss_scale` (its Args and Raises).
 
   Examples:
@@ -33,6 +76,7 @@ class StaticLossScale:
   """
 
   value: float
+  kind = "static"
 
   def __post_init__(self):
     value = _checks.real_number(self.value, "static_loss_scale: value", "the loss scale")
@@ -55,7 +99,7 @@ class StaticLossScale:
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_Policy):
   """A dynamic loss scale; make one with :func:`dynamic_loss_scale` (its fields, ranges, Raises).
 
   Examples:
@@ -81,6 +125,7 @@ class DynamicLossScale:
   growth_interval: int = 2000
   min_scale: float = 1.0
   max_scale: float = 2.0**24
+  kind = "dynamic"
 
   def __post_init__(self):
     owner = "dynamic_loss_scale"
@@ -148,43 +193,35 @@ class DynamicLossScale:
 LossScale = StaticLossScale | DynamicLossScale
 
 
-class LossScaleState(NamedTuple):
-  """The loss scale's sub-state of :class:`optax_accum.AccumulationState`.
+class _NoLossScale:
+  """No loss scale: no sub-state, a scale of 1, nothing to adjust."""
 
-  ``scale`` (float32) multiplies the open window's loss; ``growth_streak`` (int32) counts applied
-  windows since it changed; ``dynamic`` (bool) fingerprints the policy kind for restores.
-  """
+  kind = None
 
-  scale: jax.Array
-  growth_streak: jax.Array
-  dynamic: jax.Array
+  def init(self) -> optax.EmptyState:
+    return optax.EmptyState()
+
+  def scale(self, state: Any) -> jax.Array:
+    del state
+    return jnp.ones((), jnp.float32)
+
+  def close(self, state: Any, outcome: Outcome) -> Any:
+    del outcome
+    return state
 
 
-def check_policy(loss_scale: object) -> LossScale | None:
-  """``accumulate``'s ``loss_scale`` argument: None or one of the two policies, nothing else."""
-  if loss_scale is None or isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+NO_LOSS_SCALE = _NoLossScale()
+
+
+def policy(loss_scale: object) -> LossScale | _NoLossScale:
+  """``accumulate``'s ``loss_scale`` argument: one of the two policies, or None (no scale)."""
+  if loss_scale is None:
+    return NO_LOSS_SCALE
+  if isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
     return loss_scale
   raise TypeError(
     "loss_scale must be None, optax_accum.static_loss_scale(...) or "
     f"optax_accum.dynamic_loss_scale(...), got {loss_scale!r}."
-  )
-
-
-def init_state(policy: LossScale) -> LossScaleState:
-  """The sub-state of a fresh window under ``policy``."""
-  return LossScaleState(
-    scale=jnp.asarray(policy.initial_scale(), jnp.float32),
-    growth_streak=jnp.zeros((), jnp.int32),
-    dynamic=jnp.asarray(isinstance(policy, DynamicLossScale)),
-  )
-
-
-def close(policy: LossScale, state: LossScaleState, finite: jax.Array, empty: jax.Array):
-  """The sub-state after a window boundary: ``policy.adjust`` unless the window was empty."""
-  scale, streak = policy.adjust(state.scale, state.growth_streak, finite)
-  return state._replace(
-    scale=jnp.where(empty, state.scale, scale),
-    growth_streak=jnp.where(empty, state.growth_streak, streak),
   )
 
 
@@ -207,7 +244,7 @@ def static_loss_scale(value: float) -> StaticLossScale:
     >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=4,
     ...                             loss_scale=optax_accum.static_loss_scale(1024.0))
     >>> state = tx.init({'w': jax.numpy.zeros(3)})
-    >>> float(optax_accum.get_loss_scale(state))
+    >>> float(optax_accum.metrics(state).loss_scale)
     1024.0
   """
   return StaticLossScale(value)
@@ -253,7 +290,7 @@ def dynamic_loss_scale(
     >>> scale = optax_accum.dynamic_loss_scale(init_scale=2.0**10, growth_interval=100)
     >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4, loss_scale=scale)
     >>> state = tx.init({'w': jax.numpy.zeros(3)})
-    >>> float(optax_accum.get_loss_scale(state))
+    >>> float(optax_accum.metrics(state).loss_scale)
     1024.0
   """
   return DynamicLossScale(
@@ -268,13 +305,13 @@ def in_force(loss_scale: Any) -> jax.Array | None:
   if isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
     raise TypeError(
       "microbatched_value_and_grad takes the loss scale in force (a number), not a loss-scale "
-      "policy: pass loss_scale=optax_accum.get_loss_scale(opt_state) and give the policy "
+      "policy: pass loss_scale=optax_accum.metrics(opt_state).loss_scale and give the policy "
       f"({type(loss_scale).__name__}) to accumulate(..., loss_scale=...)."
     )
   if not isinstance(loss_scale, jax.core.Tracer):
     if not 0 < float(np.asarray(loss_scale)) < float("inf"):
       raise ValueError(
         f"loss_scale must be a finite number > 0, got {loss_scale}. Pass None for no "
-        "scaling, or optax_accum.get_loss_scale(opt_state)."
+        "scaling, or optax_accum.metrics(opt_state).loss_scale."
       )
   return jnp.asarray(loss_scale, _numerics.scalar_dtype())

@@ -1,6 +1,9 @@
-"""What to log about accumulation: :class:`Metrics`, :func:`metrics`, :func:`get_loss_scale`.
+"""What to log about accumulation: :class:`Metrics` and :func:`metrics`.
 
 Read from any optimizer state holding one ``accumulate`` state; works under ``jit``, never warns.
+The core's counters, and what each feature's sub-state shows through its ``metrics()`` method.
+(``get_loss_scale`` is 0.3's spelling of ``metrics(opt_state).loss_scale``, kept for one
+release.)
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _noise_scale
 from optax_accum._state import find_state
 
 PyTree = Any
@@ -26,6 +28,8 @@ class Metrics(NamedTuple):
     num_updates: int32, windows applied: drives per-update work (EMA, eval, checkpoints, logs).
     num_skipped: int32, windows skipped for a NaN or Inf.
     num_spikes: int32, finite windows skipped by ``accumulate(..., skip_if=...)`` (0 without).
+    num_dropped: int32, microbatches dropped by an ``optax.MultiSteps``
+      ``should_skip_update_fn`` given as ``skip_if`` (0 without).
     pending_weight: float, the weight (examples or tokens) in the open window.
     updated: bool, whether the last call applied an update.
     window_loss: float, weighted mean ``value`` of the last closed window with a finite one
@@ -38,15 +42,18 @@ class Metrics(NamedTuple):
     noise_scale: float, ``B_simple = noise_trace / noise_signal``, the gradient noise scale
       (McCandlish et al. 2018) in ``weight`` units: the critical batch size's simple estimate.
       0 until a window with two nonzero-weight microbatches closes, while ``noise_signal <= 0``
-      and without ``accumulate(..., noise_scale_decay=...)``. docs/noise_scale.md.
+      and without ``accumulate(..., observe=(optax_accum.noise_scale(...),))``.
+      docs/noise_scale.md.
     noise_trace: float, bias-corrected EMA of ``S_est`` ~ ``tr(Sigma)`` (per-example gradient
       covariance; squared gradient units times ``weight`` units). 0 as ``noise_scale``.
     noise_signal: float, bias-corrected EMA of ``G2_est`` ~ ``|G|^2``. 0 as ``noise_scale``.
-    weight_seen: with ``window_weight=...``, a ``WeightCount`` (three 0-d arrays), the exact
+    weight_seen: with a token budget, a ``WeightCount`` (three 0-d arrays), the exact
       weight of every window closed since init (where a data loader resumes). ``float()`` /
       ``int()`` read it exactly outside ``jit``, ``.approx()`` under it. None without a budget.
     window_weight: with a token budget, a ``WeightCount``, the weight of the last closed
       non-empty window (the last update's effective batch); None without one.
+    observers: per observer of ``observe=``, its sub-state's ``metrics()`` dict (or the
+      sub-state itself where it has no such method), a tuple.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -62,7 +69,7 @@ class Metrics(NamedTuple):
     (1.5, 1.4142)
     >>> bool(m.has_window_loss), bool(m.has_grad_norm)
     (True, True)
-    >>> m.weight_seen is None  # counted with a token budget (window_weight=...)
+    >>> m.weight_seen is None  # counted with a token budget (every_k=token_budget(...))
     True
   """
 
@@ -71,6 +78,7 @@ class Metrics(NamedTuple):
   num_updates: jax.Array
   num_skipped: jax.Array
   num_spikes: jax.Array
+  num_dropped: jax.Array
   pending_weight: jax.Array
   updated: jax.Array
   window_loss: jax.Array
@@ -83,6 +91,7 @@ class Metrics(NamedTuple):
   noise_signal: jax.Array
   weight_seen: Any  # a WeightCount, or None without a token budget
   window_weight: Any  # a WeightCount, or None without a token budget
+  observers: tuple[Any, ...]
 
 
 def metrics(opt_state: PyTree) -> Metrics:
@@ -109,17 +118,18 @@ def metrics(opt_state: PyTree) -> Metrics:
     (1, 0, 7.0)
   """
   s = find_state(opt_state)
-  if _off(s.noise_scale):
-    noise_scale = noise_trace = noise_signal = jnp.zeros_like(s.grad_norm)
-  else:
-    noise_scale, noise_trace, noise_signal = _noise_scale.read(*s.noise_scale)
-  budget = None if _off(s.token_budget) else s.token_budget
+  observed = tuple(_read(o) for o in s.observers)
+  shown: dict[str, Any] = {}
+  for sub in (s.policy, s.guard, *observed):
+    shown.update(sub if isinstance(sub, dict) else {})
+  zero_f, zero_i = jnp.zeros_like(s.grad_norm), jnp.zeros_like(s.num_skipped)
   return Metrics(
     mini_step=s.mini_step,
     num_microbatches=s.num_microbatches,
     num_updates=s.num_updates,
     num_skipped=s.num_skipped,
-    num_spikes=jnp.zeros_like(s.num_skipped) if _off(s.guard) else s.guard.num_spikes,
+    num_spikes=_metric(s.guard, "num_spikes", zero_i),
+    num_dropped=_metric(s.guard, "num_dropped", zero_i),
     pending_weight=s.window.weight_sum,
     updated=s.updated,
     window_loss=s.window_loss,
@@ -127,41 +137,39 @@ def metrics(opt_state: PyTree) -> Metrics:
     grad_norm=s.grad_norm,
     has_window_loss=s.has_window_loss,
     has_grad_norm=s.has_grad_norm,
-    noise_scale=noise_scale,
-    noise_trace=noise_trace,
-    noise_signal=noise_signal,
-    weight_seen=None if budget is None else budget.weight_seen,
-    window_weight=None if budget is None else budget.window_weight,
+    noise_scale=shown.get("noise_scale", zero_f),
+    noise_trace=shown.get("noise_trace", zero_f),
+    noise_signal=shown.get("noise_signal", zero_f),
+    weight_seen=_metric(s.policy, "weight_seen", None),
+    window_weight=_metric(s.policy, "window_weight", None),
+    observers=observed,
   )
 
 
+def _read(sub: Any) -> Any:
+  """A sub-state's ``metrics()`` dict, or the sub-state where it defines none."""
+  return sub.metrics() if callable(getattr(sub, "metrics", None)) else sub
+
+
+def _metric(sub: Any, name: str, default: Any) -> Any:
+  """The value ``name`` of a sub-state's ``metrics()``, or ``default``."""
+  read = _read(sub)
+  return read.get(name, default) if isinstance(read, dict) else default
+
+
 def _loss_scale_of(s) -> jax.Array:
-  if _off(s.loss_scale):
+  if isinstance(s.loss_scale, optax.EmptyState):
     return jnp.ones((), jnp.float32)
   return s.loss_scale.scale
 
 
 def get_loss_scale(opt_state: PyTree) -> jax.Array:
-  """The factor to multiply the loss by for the current window.
-
-  Args:
-    opt_state: any optimizer state containing one :func:`optax_accum.accumulate`.
-
-  Returns:
-    A float32 0-d array, 1.0 without a loss scale; it changes only at window boundaries.
-
-  Raises:
-    ValueError: if ``opt_state`` holds no or several accumulation states.
+  """0.3's ``get_loss_scale``: ``metrics(opt_state).loss_scale`` (float32 0-d; 1.0 without).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1e-2), every_k=2)
-    >>> float(optax_accum.get_loss_scale(tx.init({'w': jnp.zeros(2)})))
+    >>> float(get_loss_scale(tx.init({'w': jnp.zeros(2)})))
     1.0
   """
   return _loss_scale_of(find_state(opt_state))
-
-
-def _off(sub_state: Any) -> bool:
-  """Whether a feature's sub-state is empty (the feature is off)."""
-  return isinstance(sub_state, optax.EmptyState)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _aggregation, _aux, _checks, _loss_scale, _noise_scale, _numerics
+from optax_accum import _aggregation, _checks, _loss_scale, _migration, _noise_scale, _numerics
 from optax_accum import _microbatch_mesh as _mesh
 from optax_accum._microbatch_mesh import split_batch
 
@@ -80,8 +80,8 @@ def microbatched_value_and_grad(
   loss_scale: Any = None,
   accumulator_dtype: Any = None,
   noise_scale: bool = False,
-  denominator: Any = None,
-  reduce: Any = None,
+  aggregate: _aggregation.Aggregation | None = None,
+  **deprecated: Any,
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
@@ -97,7 +97,9 @@ def microbatched_value_and_grad(
       ``kwargs`` (``key=``, ``rngs={'dropout': key}``; typed keys or raw
       ``uint32[2]``) is folded with the microbatch index (and the lane, on a mesh).
     num_microbatches: ``K`` >= 1, dividing the batch size.
-    weight_fn: ``weight_fn(mb)``, the count its mean is over. Default: its rows.
+    weight_fn: ``weight_fn(mb)``, the count its mean is over (accumulate's ``weight``).
+      Default: its rows (every microbatch has as many), for mean losses; with a fixed
+      denominator it must be given (``lambda mb: 1`` for losses already at the batch's scale).
     has_aux: as in ``jax.value_and_grad``.
     has_state: thread state (BatchNorm statistics, NNX RNG counters) through
       the microbatches in order; ``f`` returns the last one.
@@ -109,18 +111,18 @@ def microbatched_value_and_grad(
     axis_name: the mesh axis (or axes) the batch is sharded over: the sums are reduced
       once after the scan, in ``jax.shard_map`` or under ``jax.jit`` with a mesh (then the
       batch must divide by ``K * D``).
-    loss_scale: ``None`` or ``get_loss_scale(opt_state)``: the loss comes back unscaled,
+    loss_scale: ``None`` or ``metrics(opt_state).loss_scale``: the loss comes back unscaled,
       the gradient is that of ``loss * scale``, for ``accumulate(loss_scale=...)`` to divide.
     accumulator_dtype: the carry's dtype; default ``promote_types(dtype, float32)``.
       Gradients come back in the params' dtypes.
     noise_scale: also return the batch's ``NoiseEstimate`` (docs/noise_scale.md).
-    denominator: None: divide by the batch's weight; a number > 0 (or a 0-d array):
-      divide the loss and the gradient's weighted sum by it (``1``: the sum), as
-      ``accumulate(denominator=...)``; global under ``axis_name``. A traced value (made
-      inside the step) is checked for its shape only: it must be finite and > 0.
-    reduce: per-leaf rules, as ``accumulate(reduce=...)`` (default: ``'mean'``, and Flax's
-      FP8 rule in its ``_overwrite_with_gradient`` collection): a max, last or FP8 leaf
-      comes back as its reduced value (the FP8 meta one physical batch would give).
+    aggregate: :func:`optax_accum.aggregate`, as ``accumulate``'s: a fixed denominator
+      (a number > 0 or a 0-d array made in the step, checked for its shape only: it must be
+      finite and > 0; ``1``: the sum; global under ``axis_name``; needs ``weight_fn``) and
+      per-leaf rules (a max, last or FP8 leaf comes back as its reduced value, the FP8 meta
+      one physical batch would give). None: the weighted mean (and Flax's FP8 rule).
+    **deprecated: 0.3's ``denominator=`` and ``reduce=``: ``aggregate=aggregate(...)`` with a
+      ``DeprecationWarning``; removed in 0.5.
 
   Returns:
     ``f -> (value, grads)`` in ``jax.value_and_grad(loss_fn, has_aux=has_aux or
@@ -144,7 +146,9 @@ def microbatched_value_and_grad(
     (2.5, -2.0)
   """
   _check_modes(aux_mode, noise_scale)
-  aggregation = _aggregation.check_in_step(denominator, reduce, noise_scale)
+  if deprecated:
+    aggregate = _migration.translate_in_step(aggregate, deprecated)
+  aggregation = _aggregation.check_in_step(aggregate, noise_scale, weight_fn)
   cfg = _Config(
     loss_fn=loss_fn,
     num_microbatches=_checks.positive_int(num_microbatches, "num_microbatches", _SLICES),
@@ -166,8 +170,8 @@ _SLICES = "slices of the batch"
 
 
 def _check_modes(aux_mode: str, noise_scale: Any) -> None:
-  if aux_mode not in _aux.MODES:
-    raise ValueError(f"aux_mode must be one of {_aux.MODES}, got {aux_mode!r}.")
+  if aux_mode not in MODES:
+    raise ValueError(f"aux_mode must be one of {MODES}, got {aux_mode!r}.")
   if not isinstance(noise_scale, (bool, np.bool_)):
     raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}.")
 
@@ -189,7 +193,7 @@ def _value_and_grad(
   micro = split_batch(batch, cfg.num_microbatches, strided=cfg.strided)  # checks and messages
   if lanes:
     micro = _mesh.split_lanes(batch, cfg.num_microbatches, lanes, mesh, axes, cfg.strided)
-  state0, args = _aux.take_state(cfg.has_state, args)
+  state0, args = take_state(cfg.has_state, args)
   scale = _loss_scale.in_force(cfg.loss_scale)
   rules, shares = cfg.aggregation.rules(params), None
   if "grad_amax_history" in rules:  # FP8: every microbatch's backward at the batch's scale
@@ -218,7 +222,7 @@ def _differentiated(params: PyTree, name: str | None, mesh: Any, axes: tuple[str
 def _scaled_loss(cfg: _Config, params, mb, scale, extra, kwargs):
   """``(loss * scale, (loss, aux, state))``: the loss in its accumulator dtype, float32 or wider."""
   out = cfg.loss_fn(params, mb, *extra, **kwargs)
-  loss, aux, state = _aux.unpack(cfg.has_aux, cfg.has_state, out)
+  loss, aux, state = unpack(cfg.has_aux, cfg.has_state, out)
   loss = jnp.asarray(loss)
   if loss.ndim != 0:
     raise ValueError(f"loss_fn must return a scalar mean loss, got shape {loss.shape}.")
@@ -324,13 +328,13 @@ def _zero_sums(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any) -> _Sums:
   """The scan's first sums, sized by tracing one microbatch abstractly (no compute is staged)."""
   mb0 = jax.tree.map(lambda x: x[0], micro)
   loss_s, aux_s, _, g_s, w_s = jax.eval_shape(mode.grads_of, mb0, 0, state0)
-  carry = lambda s: mode.zeros(s, _aux.carry_dtype(s.dtype, cfg.accumulator_dtype))
+  carry = lambda s: mode.zeros(s, carry_dtype(s.dtype, cfg.accumulator_dtype))
   grads = jax.tree.map(carry, g_s)
   aux = None
   if cfg.has_aux:
-    _aux.check_leaves(cfg.aux_mode, aux_s, jax.tree.leaves(mb0)[0].shape[mode.lead], mode.lead)
+    check_leaves(cfg.aux_mode, aux_s, jax.tree.leaves(mb0)[0].shape[mode.lead], mode.lead)
   if cfg.has_aux and cfg.aux_mode in ("mean", "sum"):
-    dtype = _aux.sum_dtype if cfg.aux_mode == "sum" else _aux.carry_dtype
+    dtype = sum_dtype if cfg.aux_mode == "sum" else carry_dtype
     aux = jax.tree.map(lambda s: mode.zeros(s, dtype(s.dtype)), aux_s)
   noise = ()
   if cfg.noise_scale:  # (sum_k w_k |g_k|^2, samples), one per lane
@@ -350,7 +354,7 @@ def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any, shared: bool):
     sums, state = carry
     k, mb = xs
     loss, aux, new_state, g, w = mode.grads_of(mb, k, state)
-    noise = mode.add_noise(sums.noise, sums.grads, g, w) if sums.noise else ()
+    noise = mode.add_noise(sums.noise, g, w) if sums.noise else ()
     sums = _Sums(
       grads=mode.add_grads(
         sums.grads, g, (w != 0).astype(w.dtype) if shared else w, sums.weight == 0
@@ -382,7 +386,7 @@ def _finish(cfg: _Config, mode: _Mode, params, sums: _Sums, state, stacked, scal
     aux = sums.aux
   else:
     aux = _numerics.guarded_divide(sums.aux, sums.weight)
-  value = _aux.pack(cfg.has_aux, cfg.has_state, loss, aux, state)
+  value = pack(cfg.has_aux, cfg.has_state, loss, aux, state)
   if cfg.noise_scale:
     value = (value, _noise_estimate(sums, scale))
   return value, mode.place(grads)
@@ -393,3 +397,72 @@ def _noise_estimate(sums: _Sums, scale: jax.Array | None) -> _noise_scale.NoiseE
   unscaled = sums.weight if scale is None else sums.weight * scale
   norm, _ = _numerics.norm_and_finite(sums.grads, unscaled)
   return _noise_scale.estimate(*sums.noise, sums.weight, norm, scale)
+
+
+# ------------------------------------------------------------------ what loss_fn returns
+# Its output is unpacked into (loss, aux, state) and the value packed back in
+# jax.value_and_grad's structure; aux leaves combine over microbatches by aux_mode: 'mean' by
+# the loss's weights, 'sum' plainly, 'concat' back into the batch's rows, 'stack' per
+# microbatch; a mode that would change a leaf's meaning or shape raises.
+
+
+MODES = ("mean", "sum", "concat", "stack")
+
+
+def carry_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
+  """The dtype a sum of ``dtype`` values is carried in (integers and bools become float)."""
+  dt = jnp.dtype(dtype)
+  dt = dt if jnp.issubdtype(dt, jnp.inexact) else _numerics.scalar_dtype()
+  return _numerics.accumulator_dtype(dt, override)
+
+
+def sum_dtype(dtype: Any) -> jnp.dtype:
+  """The dtype ``aux_mode='sum'`` carries a leaf in: integers (and bools) stay exact as int32."""
+  integer = jnp.issubdtype(dtype, jnp.integer) or jnp.dtype(dtype) == jnp.bool_
+  return jnp.dtype(jnp.int32) if integer else carry_dtype(dtype)
+
+
+def check_leaves(aux_mode: str, aux_s: PyTree, rows: int, lead: int) -> None:
+  """Raises where ``aux_mode`` would silently change an aux leaf's meaning or shape."""
+  for path, s in jax.tree_util.tree_flatten_with_path(aux_s)[0]:
+    shape, name = tuple(s.shape[lead:]), jax.tree_util.keystr(path)
+    per_example = len(shape) >= 1 and shape[0] == rows
+    if aux_mode in ("mean", "sum") and per_example and rows > 1:
+      raise ValueError(
+        f"aux leaf {name} has shape {shape}: one row per example of the {rows}-row microbatch. "
+        f"aux_mode={aux_mode!r} would combine the microbatches row by row and return {rows} "
+        "rows instead of the batch's. Pass aux_mode='concat' for per-example values (back to "
+        "the batch's rows and order) or aux_mode='stack' ([K, ...] per microbatch)."
+      )
+    if aux_mode == "concat" and not per_example:
+      raise ValueError(
+        f"aux_mode='concat' joins per-example aux leaves ({rows} rows per microbatch), but "
+        f"aux leaf {name} has shape {shape}. Return per-example values, or use aux_mode="
+        "'mean' (mean metrics) or 'sum' (count and sum metrics)."
+      )
+
+
+def take_state(has_state: bool, args: tuple) -> tuple[Any, tuple]:
+  """``(state, rest)``: with ``has_state`` the first extra argument is the threaded state."""
+  if not has_state:
+    return None, args
+  if not args:
+    raise TypeError("has_state=True: call f(params, batch, state, *args, **kwargs).")
+  return args[0], args[1:]
+
+
+def unpack(has_aux: bool, has_state: bool, out: Any) -> tuple[Any, Any, Any]:
+  """``loss_fn``'s output as ``(loss, aux, state)``, None for a part it does not return."""
+  if has_state:
+    loss, rest = out
+    aux, state = rest if has_aux else (None, rest)
+    return loss, aux, state
+  loss, aux = out if has_aux else (out, None)
+  return loss, aux, None
+
+
+def pack(has_aux: bool, has_state: bool, loss: Any, aux: Any, state: Any) -> Any:
+  """The value in ``jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)``'s structure."""
+  if has_state:
+    return (loss, (aux, state)) if has_aux else (loss, state)
+  return (loss, aux) if has_aux else loss

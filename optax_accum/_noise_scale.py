@@ -1,4 +1,4 @@
-"""The gradient noise scale ``B_simple`` from a window's own microbatches.
+"""The gradient noise scale ``B_simple`` from a window's own microbatches (an observer).
 
 McCandlish et al. 2018 (appendix A): the window is ``B_big``, a microbatch ``B_small`` (they
 share the params). Per microbatch only the scalar ``n_k |g_k|^2`` (:func:`add`); ``|G_B|^2``
@@ -7,6 +7,7 @@ is the boundary's global norm. Both paths use it; when it is valid: docs/noise_s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum import _checks, _numerics
+from optax_accum._protocols import Outcome
 
 PyTree = Any
 
@@ -34,31 +36,100 @@ class NoiseScaleState(NamedTuple):
   signal_ema: jax.Array
   ema_weight: jax.Array
 
+  def metrics(self) -> dict[str, Any]:
+    """What :func:`optax_accum.metrics` shows: ``noise_scale``, ``noise_trace``,
+    ``noise_signal`` (``B_simple`` and its parts, bias corrected; 0 before an estimate)."""
+    b, trace, signal = read(self.trace_ema, self.signal_ema, self.ema_weight)
+    return {"noise_scale": b, "noise_trace": trace, "noise_signal": signal}
 
-def check_decay(decay: Any) -> float | None:
-  """``accumulate``'s ``noise_scale_decay``: None (off) or a float in [0, 1)."""
-  if decay is None:
-    return None
-  meaning = "the EMA decay per window, e.g. 0.9; None for no noise scale"
-  value = _checks.real_number(decay, "noise_scale_decay", meaning)
+
+@dataclasses.dataclass(frozen=True)
+class NoiseScale:
+  """An observer of the gradient noise scale; made by :func:`optax_accum.noise_scale`.
+
+  Attributes:
+    decay: the EMA decay per window, in [0, 1).
+  """
+
+  decay: float
+
+  def init(self) -> NoiseScaleState:
+    """A fresh sub-state: no estimate yet (fresh buffers each, for donation)."""
+    zero = lambda: jnp.zeros((), _numerics.scalar_dtype())
+    return NoiseScaleState(zero(), zero(), zero())
+
+  def init_window(self, params: PyTree) -> tuple[jax.Array, jax.Array]:
+    del params
+    return zeros()
+
+  def add(self, window, grads: PyTree, weight: jax.Array):
+    return add(window, grads, weight)
+
+  def close(self, state: NoiseScaleState, window, outcome: Outcome) -> NoiseScaleState:
+    """The window's estimate folded into the EMAs (finite, applied-or-not-spiked, K >= 2)."""
+    stats = outcome.stats
+    est = estimate(*window, stats.weight, stats.grad_norm, outcome.loss_scale)
+    ok = outcome.finite & ~outcome.empty & ~outcome.spike
+    return NoiseScaleState(*ema_update(tuple(state), est, self.decay, ok))
+
+  def check_aggregation(self, weighted_mean: bool) -> None:
+    """Raises unless the window is the weighted mean (the estimate's premise)."""
+    if not weighted_mean:
+      raise ValueError(
+        "noise_scale estimates the noise of a weighted mean: it cannot observe a window with "
+        "a fixed denominator, apply_empty or per-leaf rules (optax_accum.aggregate(...), or "
+        "Flax FP8 leaves: give them reduce='mean'). Leave one of them out."
+      )
+
+
+def noise_scale(decay: float = 0.9) -> NoiseScale:
+  """The gradient noise scale ``B_simple`` of each window, as an EMA (an observer).
+
+  ``accumulate(inner, every_k, observe=(optax_accum.noise_scale(0.9),))`` estimates the
+  critical batch size's simple estimate ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al.
+  2018, appendix A) from each window's own microbatches, which all see the same params, in the
+  units of ``weight`` (tokens, if you pass token counts): ``metrics(state).noise_scale``,
+  ``noise_trace`` and ``noise_signal``. A window needs two nonzero-weight microbatches (under
+  ``axis_name`` each device's are samples); skipped, spiked and empty windows do not count. It
+  costs one reduction per microbatch (``weight * |g|^2``) and a few scalars at the boundary.
+  docs/noise_scale.md.
+
+  Args:
+    decay: the EMA decay per window, in [0, 1): 0 keeps only the last window, 0.9 averages
+      about 10 windows.
+
+  Returns:
+    A :class:`NoiseScale` observer.
+
+  Raises:
+    TypeError: ``decay`` is not a number.
+    ValueError: ``decay`` is outside [0, 1); at ``accumulate``, with a fixed denominator or
+      per-leaf rules (the estimate needs the weighted mean).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=2,
+    ...                             observe=(optax_accum.noise_scale(0.0),))
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> for g, n in (([1., 1.], 1), ([3., 3.], 3)):  # N = 4, |G_B|^2 = 12.5, sum n|g|^2 = 56
+    ...   _, state = tx.update({'w': jnp.array(g)}, state, params, weight=n)
+    >>> m = optax_accum.metrics(state)  # S = (56 - 50) / 1 = 6; G2 = (25 - 14) / 1 = 11
+    >>> float(m.noise_trace), float(m.noise_signal), round(float(m.noise_scale), 4)
+    (6.0, 11.0, 0.5455)
+
+  References:
+    McCandlish et al. 2018, `An Empirical Model of Large-Batch Training
+    <https://arxiv.org/abs/1812.06162>`_, appendix A.
+  """
+  meaning = "the EMA decay per window, e.g. 0.9"
+  value = _checks.real_number(decay, "noise_scale: decay", meaning)
   if not 0 <= value < 1:
     raise ValueError(
-      f"noise_scale_decay must be in [0, 1) (the EMA decay per window; 0 keeps only the last "
-      f"window, 0.9 averages about 10 windows), got {decay}. Pass None to turn it off."
+      f"noise_scale: decay must be in [0, 1) (the EMA decay per window; 0 keeps only the last "
+      f"window, 0.9 averages about 10 windows), got {decay}."
     )
-  return value
-
-
-def init_state() -> NoiseScaleState:
-  """A fresh sub-state: no estimate yet (fresh buffers each, for donation)."""
-  zero = lambda: jnp.zeros((), _numerics.scalar_dtype())
-  return NoiseScaleState(zero(), zero(), zero())
-
-
-def close(state: NoiseScaleState, sums, weight_sum, norm, loss_scale, decay, ok):
-  """The sub-state after a boundary: the window's estimate folded into the EMAs if ``ok``."""
-  est = estimate(*sums, weight_sum, norm, loss_scale)
-  return NoiseScaleState(*ema_update(tuple(state), est, decay, ok))
+  return NoiseScale(value)
 
 
 class NoiseEstimate(NamedTuple):
@@ -89,21 +160,21 @@ def zeros() -> tuple[jax.Array, jax.Array]:
 
 
 def add(
-  sums: tuple[jax.Array, jax.Array], acc: PyTree, grads: PyTree, weight: jax.Array
+  sums: tuple[jax.Array, jax.Array], grads: PyTree, weight: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
   """The window's noise sums with one microbatch added: ``n_k |g_k|^2`` and one sample.
 
-  ``|g_k|^2`` is summed over the (scaled) gradient cast to ``acc``'s dtypes, as
-  :func:`_numerics.weighted_add` casts it, so both fuse into one read of the gradient. A
+  ``|g_k|^2`` is summed over the (scaled) gradient cast to its accumulator dtype (float32 or
+  wider), as the window's sum casts it, so both fuse into one read of the gradient. A
   weight-0 microbatch (a flush, all padding) is not a sample and adds nothing, even a NaN.
 
   Examples:
-    >>> s = add(zeros(), {'w': jnp.zeros(2)}, {'w': jnp.array([3., 4.])}, jnp.float32(2))
+    >>> s = add(zeros(), {'w': jnp.array([3., 4.])}, jnp.float32(2))
     >>> float(s[0]), int(s[1])  # 2 * (9 + 16)
     (50.0, 1)
   """
   sq_sum, samples = sums
-  cast = jax.tree.map(lambda a, g: jnp.asarray(g).astype(a.dtype), acc, grads)
+  cast = jax.tree.map(lambda g: jnp.asarray(g).astype(_numerics.accumulator_dtype(g.dtype)), grads)
   sq = optax.tree.norm(cast, squared=True).astype(sq_sum.dtype)
   nonzero = weight != 0
   term = jnp.where(nonzero, weight.astype(sq.dtype) * sq, jnp.zeros((), sq.dtype))

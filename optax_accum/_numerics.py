@@ -157,19 +157,14 @@ def mean_dtypes(grads: PyTree, params: PyTree | None) -> PyTree:
   )
 
 
-def window_mean(
-  g_sum: PyTree, denom: jax.Array, norm: jax.Array, clip_norm: float | None, like: PyTree
-) -> PyTree:
-  """``g_sum * (1 / denom)``, clipped given the pre-clip ``norm``, cast to ``like``'s dtypes.
+def window_mean(g_sum: PyTree, denom: jax.Array, like: PyTree) -> PyTree:
+  """``g_sum * (1 / denom)``, cast to ``like``'s dtypes.
 
   One scalar multiplies every element, so XLA fuses the mean into the inner
   optimizer (docs/performance.md); exact for a power-of-two ``denom``, else 1 ulp.
   """
   nonzero = denom != 0
   factor = jnp.where(nonzero, 1 / jnp.where(nonzero, denom, jnp.ones_like(denom)), 0)
-  if clip_norm is not None:  # 1 below the threshold: unclipped windows are bit-identical
-    clip = jnp.where(norm < clip_norm, jnp.ones_like(norm), clip_norm / norm)
-    factor = factor * clip.astype(factor.dtype)
 
   def scale(x, t):
     y = jnp.where(nonzero, x * factor.astype(x.dtype), jnp.zeros((), x.dtype))
@@ -218,12 +213,10 @@ def updates_finite(
   return all_finite((updates, narrowed, applied))
 
 
-def fits(
-  g_sum: PyTree, denom: jax.Array, norm: jax.Array, clip_norm: float | None, like: PyTree
-) -> jax.Array:
+def fits(g_sum: PyTree, denom: jax.Array, norm: jax.Array, like: PyTree) -> jax.Array:
   """Whether the finite window mean stays finite cast to ``like``'s (maybe fp16) dtypes.
 
-  Elements are read only when the (clipped) norm exceeds the narrowest target's max.
+  Elements are read only when the norm exceeds the narrowest target's max.
   """
   pairs = zip(jax.tree.leaves(like), jax.tree.leaves(g_sum), strict=True)
   limits = [
@@ -233,10 +226,10 @@ def fits(
   ]
   if not limits:
     return jnp.array(True)
-  bound = norm if clip_norm is None else jnp.minimum(norm, jnp.asarray(clip_norm, norm.dtype))
+  bound = norm
 
   def exact(_):
-    return all_finite(window_mean(g_sum, denom, norm, clip_norm, like))
+    return all_finite(window_mean(g_sum, denom, like))
 
   def fits_for_sure(_):  # True, with `bound`'s device variance (shard_map check_vma)
     return jnp.ones_like(bound, dtype=jnp.bool_)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _aggregation
+from optax_accum import _aggregation, _migration
 from optax_accum._sharding import state_shardings
 from optax_accum._state import (
   Fingerprint,
@@ -103,7 +103,15 @@ _OLD_LAYOUT = ("loss_scale_kind", "window_weight_parts", "noise_sq_sum")
 
 
 def _check_layout(got: dict[str, Any]) -> None:
-  """Raises for a checkpoint of the previous release's flat state, naming the change."""
+  """Raises for a checkpoint of an earlier release's state, naming the step to take."""
+  if _migration.is_03(got):
+    raise ValueError(
+      "The restored optimizer state was written by optax_accum 0.3 (its AccumulationState "
+      "has no flush_pending; a token budget's and a noise scale's sub-states were named "
+      "token_budget and noise_scale, now policy and observers). Restore it without a target "
+      "(e.g. orbax's checkpointer.restore(path) gives a tree of arrays), then convert it: "
+      "state = optax_accum.sharding.migrate_state(tx, params, restored)."
+    )
   old = sorted(p for p in got if p.rsplit(".", 1)[-1] in _OLD_LAYOUT)
   if old:
     raise ValueError(
@@ -138,9 +146,13 @@ def _check_accumulation(want: dict[str, Any], got: dict[str, Any]) -> None:
 
 
 def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
-  """``restored``, written with or without ``accumulate``, as a state of ``tx``.
+  """``restored`` (without ``accumulate``, or by optax_accum 0.3) as a state of ``tx``.
 
-  A run started without accumulation continues with it: each ``accumulate`` state of
+  A 0.3 checkpoint (restored without a target, as a tree of arrays) is converted leaf by leaf:
+  the token budget's and noise scale's sub-states move to ``policy`` and ``observers``, and
+  the leaves 0.4 added take their fresh values (the open window, counters and inner state are
+  kept, so a run resumes mid-window). A run started without accumulation continues with it:
+  each ``accumulate`` state of
   ``tx.init(params)`` takes, as its ``inner_state``, the restored state in its place (an empty
   window, counters from 0; the inner optimizer's own count, its schedules and Adam's bias
   correction continue). The reverse keeps each ``inner_state``, after a window that is empty.
@@ -156,7 +168,8 @@ def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: Py
 
   Raises:
     ValueError: if ``restored`` does not have the layout ``tx`` less (or plus) ``accumulate``
-      gives, or holds an open window (flush it, or :func:`optax_accum.discard` it, first).
+      gives, or holds an open window (flush it, or :func:`optax_accum.discard` it, first);
+      a 0.3 state that lacks a leaf ``tx`` needs.
 
   Examples:
     >>> import optax, optax_accum
@@ -169,6 +182,8 @@ def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: Py
     >>> optax_accum.sharding.migrate_state(optax.adam(1e-3), params, state)[0].count
     Array(0, dtype=int32)
   """
+  if _migration.is_03(_leaves_by_path(restored)):
+    return check_compatible(tx, params, _from_03(tx, params, restored))
   restored_states = find_states(restored)
   if not find_states(jax.eval_shape(tx.init, params)):
     for s in restored_states:
@@ -299,3 +314,34 @@ class _Leaf:
 def _stacked_shapes(expected: PyTree) -> PyTree:
   """Expected shapes with a leading device axis on the window sums."""
   return map_states(lambda s: map_window(lambda a: _Leaf((-1, *a.shape), a.dtype), s), expected)
+
+
+def _from_03(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
+  """A 0.3 state (any tree of arrays with its leaf paths) as a state of ``tx``."""
+  got = _leaves_by_path(restored)
+  fresh = tx.init(params)
+  prefixes = [
+    ".".join(_key(e) for e in path)
+    for path, x in jax.tree_util.tree_flatten_with_path(fresh, is_leaf=_is_state)[0]
+    if _is_state(x)
+  ]
+  leaves = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(fresh)[0]:
+    name = ".".join(_key(e) for e in path)
+    prefix = next((p for p in prefixes if name.startswith(p + ".") or p == ""), None)
+    old = name
+    if prefix is not None:
+      inside = name[len(prefix) + 1 :] if prefix else name
+      mapped = _migration.state_path_03(inside)
+      old = None if mapped is None else (f"{prefix}.{mapped}" if prefix else mapped)
+    if old is None:
+      leaves.append(leaf)  # a leaf 0.4 added: its fresh value
+    elif old in got:
+      leaves.append(jnp.asarray(got[old], leaf.dtype).reshape(leaf.shape))
+    else:
+      raise ValueError(
+        f"The 0.3 state has no leaf {old}, which this tx's state needs at {name}: restore the "
+        "checkpoint with the configuration that wrote it (the same every_k, token budget, "
+        "noise scale, guards and inner optimizer), in their 0.4 spelling."
+      )
+  return jax.tree.unflatten(jax.tree.structure(fresh), leaves)

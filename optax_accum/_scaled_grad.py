@@ -1,6 +1,7 @@
-"""``scaled_value_and_grad``: differentiate the loss times the current loss scale.
+"""0.3's ``scaled_value_and_grad``, kept for one release (``optax_accum._migration``).
 
-See docs/design.md for the module map.
+Its 0.4 spelling is ``microbatched_value_and_grad(loss_fn, 1, loss_scale=metrics(opt_state)
+.loss_scale)``: one helper takes the loss scale's value, in-step with any number of microbatches.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def scaled_value_and_grad(
   ``scaler.scale(loss).backward()``). The library's one convention: ``accumulate`` takes the
   *policy* and keeps the scale in its state; a gradient helper takes that *value*, returns
   the unscaled loss and the gradient of ``loss * scale``, and never divides (as
-  ``microbatched_value_and_grad(..., loss_scale=get_loss_scale(opt_state))``).
+  ``microbatched_value_and_grad(..., loss_scale=metrics(opt_state).loss_scale)``).
 
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss (or ``(loss,
@@ -50,7 +51,7 @@ def scaled_value_and_grad(
     ...                             loss_scale=optax_accum.static_loss_scale(8.0))
     >>> params = jnp.asarray(3.0)
     >>> state = tx.init(params)
-    >>> loss, g = optax_accum.scaled_value_and_grad(lambda p: 0.5 * p**2)(state, params)
+    >>> loss, g = scaled_value_and_grad(lambda p: 0.5 * p**2)(state, params)
     >>> float(loss), float(g)  # unscaled loss, gradient of 8 * loss
     (4.5, 24.0)
   """

@@ -1,8 +1,9 @@
-"""The accumulation state: a core window state and one sub-state per optional feature.
+"""The accumulation state: a core window state and one sub-state per feature object.
 
 :class:`AccumulationState` is what :func:`optax_accum.accumulate` keeps between
-calls: the open :class:`Window` (reset at every boundary) and one sub-state per optional
-feature, ``optax.EmptyState()`` when it is off. It is found inside nested optimizer states
+calls: the open :class:`Window` (reset at every boundary) and one sub-state per feature (the
+window policy, the observers, the guards, the loss scale, the aggregation), ``optax.EmptyState()``
+when it keeps none. It is found inside nested optimizer states
 (``optax.chain``, ``optax.masked``, ``inject_hyperparams``, ``nnx.Optimizer.opt_state``)
 by its class, never by a field name (``count`` or ``mini_step`` occur in other states).
 """
@@ -26,19 +27,22 @@ class Window(NamedTuple):
       default): ``sum_i w_i * g_i`` (of the scaled loss under a loss scale) while
       ``mini_step > 0``; scratch read as zeros while the window is empty (no zero buffer
       is written per microstep). Read it with :attr:`AccumulationState.window_sum`.
+      ``EmptyState()`` with ``every_k=1``: no window outlives its call, so none is kept.
     weight_sum: float32 (float64 under x64), ``sum_i w_i``.
     value_sum: ``sum_i w_i * value_i`` of the ``value`` extra args passed.
     value_weight: the weight sum of the microbatches that passed ``value``.
-    weight_parts: with ``window_weight``, the weight in exact 12-bit parts (float ``[7]``).
-    noise: with ``noise_scale_decay``, ``(sum_i w_i |g_i|^2, samples)`` (two floats).
+    policy: the window policy's per-window sums (a token budget: the weight in exact 12-bit
+      parts, float ``[7]``), ``EmptyState()`` for ``every_k``.
+    observers: one tuple entry per observer (the noise scale: ``(sum_i w_i |g_i|^2,
+      samples)``).
   """
 
   grad_sum: PyTree
   weight_sum: jax.Array
   value_sum: jax.Array
   value_weight: jax.Array
-  weight_parts: Any
-  noise: Any
+  policy: Any
+  observers: tuple[Any, ...]
 
 
 class AccumulationState(NamedTuple):
@@ -58,14 +62,18 @@ class AccumulationState(NamedTuple):
     has_window_loss: bool, whether ``window_loss`` is the last closed window's.
     grad_norm: the global L2 norm of the last finite unscaled window mean, before clipping.
     has_grad_norm: bool, whether ``grad_norm`` is the last closed (non-empty) window's.
-    every_k: int32, the fixed window length the state was made for; 0 for a schedule or
-      ``window_weight`` alone. Checked on every concrete call.
-    loss_scale, token_budget, noise_scale, guard: the sub-states of ``loss_scale=``,
-      ``window_weight=``, ``noise_scale_decay=`` and ``skip_if=`` (``LossScaleState``,
-      ``TokenBudgetState``, ``NoiseScaleState``, ``GuardState``); ``EmptyState()`` when off.
-    aggregation: with ``denominator=``, ``apply_empty=``, ``reduce=`` or leaves whose
-      default rule is not the mean (Flax's FP8 collection), an ``AggregationState`` (the
-      rules' fingerprint); ``EmptyState()`` otherwise.
+    flush_pending: bool, set by :func:`optax_accum.flush` for the one call that closes the
+      window (it reaches ``accumulate`` through any wrapper); False in every returned state.
+    every_k: int32, the fixed window length the state was made for; 0 for a schedule or a
+      token budget without a microbatch cap. Checked on every concrete call.
+    loss_scale: ``LossScaleState`` with ``loss_scale=``, else ``EmptyState()``.
+    policy: the window policy's sub-state (``TokenBudgetState`` for a token budget;
+      ``EmptyState()`` for ``every_k``).
+    observers: one sub-state per observer of ``observe=`` (``NoiseScaleState``), a tuple.
+    guard: ``GuardState`` with ``skip_if=``, else ``EmptyState()``.
+    aggregation: with a non-default ``aggregate=`` or leaves whose default rule is not the
+      mean (Flax's FP8 collection), an ``AggregationState`` (the rules' fingerprint);
+      ``EmptyState()`` otherwise.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -90,10 +98,11 @@ class AccumulationState(NamedTuple):
   has_window_loss: jax.Array
   grad_norm: jax.Array
   has_grad_norm: jax.Array
+  flush_pending: jax.Array
   every_k: jax.Array
   loss_scale: Any
-  token_budget: Any
-  noise_scale: Any
+  policy: Any
+  observers: tuple[Any, ...]
   guard: Any
   aggregation: Any
   inner_state: PyTree
@@ -115,6 +124,14 @@ class AccumulationState(NamedTuple):
     empty = self.mini_step == 0
     zero = lambda a: jnp.where(empty, jnp.zeros((), a.dtype), a)
     return jax.tree.map(zero, self.window.grad_sum)
+
+  @property
+  def sub_states(self) -> dict[str, Any]:
+    """The feature sub-states by field name (what :func:`optax_accum.metrics` reads)."""
+    return {f: getattr(self, f) for f in FEATURE_FIELDS}
+
+
+FEATURE_FIELDS = ("loss_scale", "policy", "observers", "guard", "aggregation")
 
 
 def _is_state(x: Any) -> bool:
@@ -236,8 +253,8 @@ def _aggregation_words(fp: tuple | None) -> str:
   d, rules, apply_empty, overwrite = fp
   den = "the weight sum" if d == 0 else "a schedule" if d < 0 else f"{d:g}"
   return (
-    f"denominator {den}, per-leaf rules {list(rules)}, apply_empty={apply_empty}, "
-    f"overwrite={overwrite}"
+    f"aggregate(denominator={den}, apply_empty={apply_empty}, overwrite={overwrite}) with "
+    f"per-leaf rules {list(rules)}"
   )
 
 

@@ -1,14 +1,16 @@
 """One microstep of :func:`optax_accum.accumulate` and the boundary that closes a window.
 
-Read top to bottom, :func:`step` is the life of a microbatch: check the
-inputs, add ``weight * grads`` to the window, decide whether this microbatch
-closes it, and run ``lax.cond(boundary, close, between)``; :func:`close` is the
-boundary: one all-reduce under ``axis_name``, one pass for the global norm and
-the finite check, then the inner optimizer once (applied) or not at all
-(skipped, empty), and the counters and features' sub-states. Where the output
-lives is one explicit mode (``_buffers.Output``: the updates for ``tx.update``,
-the params for ``update_and_apply``); the arithmetic is ``_numerics``'s, the
-device-variance typing ``_vma``'s. docs/design.md maps the modules.
+Read top to bottom, :func:`step` is the life of a microbatch: check the inputs, let the guards
+admit it, add ``weight * grads`` to the window, ask the window policy whether this microbatch
+closes it, and run ``lax.cond(boundary, close, between)``; :func:`close` is the boundary: one
+all-reduce under ``axis_name``, one pass for the global norm and the finite check, then the
+inner optimizer once (applied) or not at all (skipped, spiked, empty), the counters, and each
+feature's ``close`` with the window's :class:`~optax_accum._protocols.Outcome`.
+
+This module imports no feature module: the features are objects in the configuration, reached
+through the protocols of ``_protocols`` (docs/design.md). Where the output lives is one
+explicit mode (``_buffers.Output``); the arithmetic is ``_numerics``'s, the device-variance
+typing ``_vma``'s.
 """
 
 from __future__ import annotations
@@ -20,22 +22,62 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import (
-  _aggregation,
-  _buffers,
-  _checks,
-  _guard,
-  _loss_scale,
-  _noise_scale,
-  _numerics,
-  _rule_groups,
-  _vma,
-)
+from optax_accum import _buffers, _checks, _numerics, _vma
 from optax_accum import _state as st
-from optax_accum import _weight_count as wc
-from optax_accum import _window_weight as ww
+from optax_accum._protocols import Outcome, Position, WindowStats
 
 PyTree = Any
+
+
+class Config(NamedTuple):
+  """``accumulate``'s configuration, validated by its factory; it lives in the closure.
+
+  Attributes:
+    inner: the inner optimizer (``optax.with_extra_args_support``).
+    policy: the window policy (``_protocols.WindowPolicy``).
+    loss_scale: the loss-scale policy (a null object without one).
+    guards: ``skip_if``'s guards (``_guard.Guards``).
+    aggregation: the window's aggregation (``_aggregation.Aggregation``).
+    observers: ``observe``'s observers, a tuple (``_protocols.Observer``).
+    axis_name: the ``shard_map`` axis name(s) the window is summed over, or None.
+    accumulator_dtype: the accumulator dtype override, or None (the per-leaf rule).
+    keeps_window: False when every microbatch closes its window (``every_k=1``): the state
+      holds no accumulator.
+  """
+
+  inner: Any
+  policy: Any
+  loss_scale: Any
+  guards: Any
+  aggregation: Any
+  observers: tuple[Any, ...]
+  axis_name: Any
+  accumulator_dtype: Any
+  keeps_window: bool
+
+  def fingerprint(self, grads: PyTree) -> st.Fingerprint:
+    """What a state made by this configuration holds (``_state.Fingerprint``)."""
+    ls = self.loss_scale
+    static = ls.value if ls.kind == "static" else None
+    agg = self.aggregation.fingerprint(grads)
+    return st.Fingerprint(self.policy.every_k, ls.kind, static, agg)
+
+  def sub_states(self, params: PyTree) -> dict[str, Any]:
+    """The features' fresh sub-states, by state field."""
+    return {
+      "loss_scale": self.loss_scale.init(),
+      "policy": self.policy.init(),
+      "observers": tuple(o.init() for o in self.observers),
+      "guard": self.guards.init(),
+      "aggregation": self.aggregation.init(params),
+    }
+
+  def window_sums(self, params: PyTree) -> dict[str, Any]:
+    """The features' fresh per-window sums, by window field."""
+    return {
+      "policy": self.policy.init_window(),
+      "observers": tuple(o.init_window(params) for o in self.observers),
+    }
 
 
 def run(config, output, compiled, grads, state, params, extra):
@@ -81,20 +123,24 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
   """
   check_inputs(config, grads, state, params)
   w, flush, value = _check_args(weight, flush, value)
-  _guard.check_call(config.guard, value)
+  config.guards.check_call(value)
+  # optax_accum.flush marks the state: this call adds nothing and closes the window.
+  flushing = state.flush_pending
+  admitted, guard_state = config.guards.admit(state.guard, grads, state.num_updates, params)
+  admitted = admitted & ~flushing
+  w = jnp.where(admitted, w, jnp.zeros_like(w))
+  flush = flush | flushing
   # The sum is added outside the cond: one fused, in-place pass over the donated
   # accumulator, which reads it as zeros if the window was empty (the lazy reset)
   # and which `between` passes through untouched.
   window = add_microbatch(config, state, grads, w, value)
-  mini_step = state.mini_step + 1
-  weight_seen = state.token_budget.weight_seen if config.budget is not None else None
-  budget_reached = ww.reached(
-    config.budget, window.weight_sum, state.num_updates, weight_seen, config.axis_name
-  )
-  boundary = (mini_step >= config.window_length(state.num_updates)) | budget_reached | flush
+  mini_step = state.mini_step + admitted.astype(state.mini_step.dtype)
+  position = Position(mini_step, window.weight_sum, state.num_updates, config.axis_name)
+  boundary = config.policy.closes(state.policy, window.policy, position) | flush
   dtypes = Dtypes.of(config, output, grads, state, params, value, extra)
   place = _buffers.placement(output, dtypes.out, window.grad_sum)
-  header = state._replace(window=None, inner_state=None)  # what closing a window changes
+  # What closing a window changes, besides the window and the inner state.
+  header = state._replace(window=None, inner_state=None, guard=guard_state)
 
   def between(operands):
     grad_sum, inner_state = operands
@@ -118,33 +164,43 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
     return jnp.where(boundary, jnp.zeros_like(x), x)
 
   sums = jax.tree.map(reset, window._replace(grad_sum=None))
+  count = state.num_microbatches
   new_state = closed._replace(
     mini_step=reset(mini_step),
-    window=sums._replace(grad_sum=grad_sum),
-    num_microbatches=optax.safe_increment(state.num_microbatches),
+    window=sums._replace(grad_sum=grad_sum if config.keeps_window else optax.EmptyState()),
+    num_microbatches=jnp.where(flushing, count, optax.safe_increment(count)),  # a flush: no data
+    flush_pending=jnp.zeros_like(state.flush_pending),
     inner_state=inner_state,
   )
   return place.result(out, grad_sum, closed.updated), new_state
 
 
 def add_microbatch(config, state, grads, w, value) -> st.Window:
-  """The open window with this microbatch added: ``grad_sum += w * g``, ``weight_sum += w``."""
+  """The open window with this microbatch added: ``grad_sum += w * g``, ``weight_sum += w``,
+  and each feature's per-window sums. Without a kept window (``every_k=1``) the sum starts
+  from zeros."""
   window = state.window
-  rules = config.aggregation.rules(grads)
+  acc = state.window_sum if config.keeps_window else _zeros_like_acc(config, grads)
   new = window._replace(
-    grad_sum=_aggregation.add(rules, state.window_sum, grads, w, window.weight_sum == 0),
+    grad_sum=config.aggregation.add(acc, grads, w, window.weight_sum == 0),
     weight_sum=window.weight_sum + w,
+    policy=config.policy.add(window.policy, w),
+    observers=tuple(
+      o.add(s, grads, w) for o, s in zip(config.observers, window.observers, strict=True)
+    ),
   )
   if value is not None:
     new = new._replace(
       value_sum=_numerics.weighted_add(window.value_sum, value, w),
       value_weight=window.value_weight + w,
     )
-  if config.budget is not None:  # the window's weight, exact
-    new = new._replace(weight_parts=wc.add_parts(window.weight_parts, w))
-  if config.noise_decay is not None:  # one scalar per microbatch, from the same cast gradient
-    new = new._replace(noise=_noise_scale.add(window.noise, window.grad_sum, grads, w))
   return new
+
+
+def _zeros_like_acc(config, grads: PyTree) -> PyTree:
+  """Zeros shaped like the accumulator would be (a temporary of the call, never kept)."""
+  dtype = lambda g: _numerics.accumulator_dtype(g.dtype, config.accumulator_dtype)
+  return jax.tree.map(lambda g: jnp.zeros(jnp.shape(g), dtype(g)), grads)
 
 
 def close(config, place, dtypes, header, window, operands, params, value, extra, nothing_to_close):
@@ -155,37 +211,36 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   """
   grad_sum, inner_state = operands
   agg = config.aggregation
-  split = _rule_groups.Split.of(agg, grad_sum)
   sums = window._replace(grad_sum=grad_sum)
   if config.axis_name is not None:  # the window's all-reduce (a pmax first for max/last leaves)
-    sums = _all_reduce(split.rules, sums, config.axis_name)
-  scale = header.loss_scale.scale if config.loss_scale is not None else jnp.ones((), jnp.float32)
+    grads, rest = agg.all_reduce(
+      sums.grad_sum, sums._replace(grad_sum=None), sums.weight_sum > 0, config.axis_name
+    )
+    sums = rest._replace(grad_sum=grads)
+  split = agg.split(sums.grad_sum)
+  scale = config.loss_scale.scale(header.loss_scale)
   d = agg.value(sums.weight_sum, header.num_updates)  # the weight sum, or the fixed denominator
   norm, finite = split.norm_and_finite(sums.grad_sum, d, scale)
-  finite = finite & agg.usable(d)  # a schedule's traced value <= 0 or not finite: skipped
+  # A schedule's traced value <= 0 or not finite skips; the mean must fit the dtype inner gets.
+  finite = finite & agg.usable(d) & split.fits(sums.grad_sum, d, scale, norm, dtypes.mean)
   empty = sums.weight_sum == 0
-  has_norm = ~empty & finite  # a NaN/Inf mean has no norm (an fp16 overflow has one)
-  # The mean goes to the inner optimizer in dtypes.mean: it must fit there too.
-  finite = finite & split.fits(sums.grad_sum, d, scale, norm, config.clip_norm, dtypes.mean)
   has_value = sums.value_weight > 0
-  value_denom = sums.value_weight if agg.denominator is None else d
-  window_value = jnp.where(has_value, _numerics.guarded_divide(sums.value_sum, value_denom), 0)
+  loss_sum = _numerics.guarded_divide(sums.value_sum, agg.loss_denominator(sums.value_weight, d))
+  loss = jnp.where(has_value, loss_sum, 0)
   fdt = _numerics.scalar_dtype()
-  stats = _guard.WindowStats(
-    norm.astype(fdt), window_value.astype(fdt), has_value, sums.weight_sum, header.num_updates
-  )
-  spike = jnp.zeros((), jnp.bool_)
-  if config.guard:  # a finite window the guard skips: nothing but num_spikes changes
-    spike = ~empty & finite & _guard.judge(config.guard, header.guard, stats)
+  stats = WindowStats(norm.astype(fdt), loss.astype(fdt), has_value, sums.weight_sum,
+                      header.num_updates)  # fmt: skip
+  # A finite window a guard skips: nothing but num_spikes changes.
+  spike = ~empty & finite & config.guards.judge(header.guard, stats)
   runs = ~empty | (agg.apply_empty & ~nothing_to_close)  # DP-SGD applies an empty window
-  apply = runs & (finite | (not config.skip_nonfinite)) & ~spike
+  apply = runs & finite & ~spike
   inner_args = dict(extra)
   if value is not None:
-    inner_args["value"] = jnp.where(has_value, window_value, jnp.nan)
+    inner_args["value"] = jnp.where(has_value, loss, jnp.nan)
 
   def run_inner(ops):
     grad_sum, inner_state = ops
-    mean = split.window_values(sums.grad_sum, d, scale, norm, config.clip_norm, dtypes.mean)
+    mean = split.window_values(sums.grad_sum, d, scale, dtypes.mean)
     updates, new_inner, ok = _inner_update(config, dtypes, mean, inner_state, params, inner_args)
     updates = split.overwrite_updates(updates, mean, params, empty)  # max/last: value - param
     out, grad_sum = place.applied(updates, params, grad_sum)
@@ -199,53 +254,40 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
 
   out, new_sum, inner_state, ok = jax.lax.cond(apply, run_inner, keep_inner, operands)
   new_sum = place.after_inner(grad_sum, new_sum, inner_state, out)
-  applied = apply & ok
-  finite = finite & (ok | ~apply)
-  skipped = ~empty & ~finite & config.skip_nonfinite
-  # Nothing non-finite enters the state: "no value" is a flag.
-  norm = norm.astype(header.grad_norm.dtype)
-  has_norm = has_norm & jnp.isfinite(norm)
-  has_loss = has_value & jnp.isfinite(window_value)
-  count = lambda flag, n: jnp.where(flag, optax.safe_increment(n), n)
+  outcome = Outcome(stats, apply & ok, finite & (ok | ~apply), empty, spike, scale)
+  header = _counters(header, outcome, norm)
   header = header._replace(
-    updated=applied,
-    num_updates=count(applied, header.num_updates),
-    num_skipped=count(skipped, header.num_skipped),
-    window_loss=jnp.where(has_loss, window_value, header.window_loss),
-    has_window_loss=jnp.where(has_value, has_loss, header.has_window_loss),
-    grad_norm=jnp.where(has_norm, norm, header.grad_norm),
-    has_grad_norm=jnp.where(empty, header.has_grad_norm, has_norm),
+    loss_scale=config.loss_scale.close(header.loss_scale, outcome),
+    policy=config.policy.close(header.policy, sums.policy, outcome),
+    observers=tuple(
+      o.close(s, w, outcome)
+      for o, s, w in zip(config.observers, header.observers, sums.observers, strict=True)
+    ),
+    guard=config.guards.close(header.guard, outcome),
   )
-  if config.loss_scale is not None:
-    header = header._replace(
-      loss_scale=_loss_scale.close(config.loss_scale, header.loss_scale, finite, empty | spike)
-    )
-  if config.budget is not None:
-    header = header._replace(token_budget=ww.close(header.token_budget, sums.weight_parts, empty))
-  if config.noise_decay is not None:
-    noise = _noise_scale.close(
-      header.noise_scale, sums.noise, sums.weight_sum, norm, scale, config.noise_decay,
-      finite & ~empty & ~spike,
-    )  # fmt: skip
-    header = header._replace(noise_scale=noise)
-  if config.guard:
-    header = header._replace(guard=_guard.close(config.guard, header.guard, stats, applied, spike))
   return out, new_sum, inner_state, header
 
 
-def _all_reduce(rules: tuple[str, ...], sums: st.Window, axis_name) -> st.Window:
-  """The window summed over ``axis_name`` (one variadic ``psum``; max/last leaves: a ``pmax``
-  first, ``_aggregation.reduce_devices``)."""
-  grads, rest = _aggregation.reduce_devices(
-    rules,
-    sums.grad_sum,
-    sums._replace(grad_sum=None),
-    sums.weight_sum > 0,
-    jax.lax.axis_index(axis_name),
-    lambda t: jax.lax.psum(t, axis_name),
-    lambda t: jax.lax.pmax(t, axis_name),
+def _counters(header: st.AccumulationState, outcome: Outcome, norm: jax.Array):
+  """The state's counters and last-window values after ``outcome``; nothing non-finite enters
+  the state ("no value" is a flag)."""
+  stats, empty = outcome.stats, outcome.empty
+  skipped = ~empty & ~outcome.finite
+  norm = norm.astype(header.grad_norm.dtype)
+  has_norm = ~empty & outcome.finite & jnp.isfinite(norm)
+  has_loss = stats.has_loss & jnp.isfinite(stats.loss)
+  count = lambda flag, n: jnp.where(flag, optax.safe_increment(n), n)
+  return header._replace(
+    updated=outcome.applied,
+    num_updates=count(outcome.applied, header.num_updates),
+    num_skipped=count(skipped, header.num_skipped),
+    window_loss=jnp.where(
+      has_loss, stats.loss.astype(header.window_loss.dtype), header.window_loss
+    ),
+    has_window_loss=jnp.where(stats.has_loss, has_loss, header.has_window_loss),
+    grad_norm=jnp.where(has_norm, norm, header.grad_norm),
+    has_grad_norm=jnp.where(empty, header.has_grad_norm, has_norm),
   )
-  return rest._replace(grad_sum=grads)
 
 
 def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
@@ -259,10 +301,8 @@ def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
   updates, new_inner = inner.update(mean, inner_state, params, **inner_args)
   updates = optax.tree.cast_like(updates, dtypes.updates)
   new_inner = optax.tree.cast_like(new_inner, inner_state)  # an fp16 moment stays fp16
-  ok = None
-  if config.skip_nonfinite:
-    like = (dtypes.mean, dtypes.out)
-    ok = _numerics.updates_finite(updates, new_inner, inner_state, like, params)
+  like = (dtypes.mean, dtypes.out)
+  ok = _numerics.updates_finite(updates, new_inner, inner_state, like, params)
   if ok is None:  # True, with the device variance of the other branch's False
     return updates, new_inner, None
   keep = lambda new, old: jnp.where(ok, new, old)
@@ -305,46 +345,68 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
   """Raises unless ``state`` is this configuration's and ``grads``/``params`` match it."""
   if not isinstance(state, st.AccumulationState):
     raise TypeError(
-      f"accumulate's update needs its AccumulationState, got {type(state).__name__}. "
+      f"an Accumulation's update needs its AccumulationState, got {type(state).__name__}. "
       "Pass the state returned by tx.init / tx.update."
     )
-  check_trees(grads, state.window.grad_sum, params, config.accumulator_dtype)
-  features = (
-    ("loss_scale", config.loss_scale is not None, "loss_scale"),
-    ("token_budget", config.budget is not None, "window_weight"),
-    ("noise_scale", config.noise_decay is not None, "noise_scale_decay"),
-    ("guard", bool(config.guard), "skip_if"),
-    ("aggregation", config.aggregation.active(grads), "denominator=/reduce"),
-  )
-  problems = []
-  for field, on, arg in features:
-    if isinstance(getattr(state, field), optax.EmptyState) == on:
-      problems.append(f"the state {'lacks' if on else 'has'} the sub-state of {arg}=")
+  acc = state.window.grad_sum if config.keeps_window else None
+  check_trees(grads, acc, params, config.accumulator_dtype)
+  problems = _sub_state_problems(config, grads, state)
   got = st.fingerprint_of(state.every_k, state.loss_scale)
   if got is not None and not problems and not _is_traced(state.aggregation):
-    got = got._replace(aggregation=_aggregation.fingerprint(state.aggregation))
-    want = config.fingerprint._replace(aggregation=config.aggregation.fingerprint(grads))
-    problems = st.fingerprint_problems(got, want)
+    got = got._replace(aggregation=config.aggregation.state_fingerprint(state.aggregation))
+    problems = st.fingerprint_problems(got, config.fingerprint(grads))
   elif not problems:  # traced values (under jit): what can be compared is the structure
     problems = _inner_structure_problems(config, grads, state.inner_state)
   st.raise_on_problems(problems, "This optimizer state")
   _vma.check_replicated(params, config.axis_name)
-  _vma.check_grads(grads, params, state.window.grad_sum, config.axis_name)
+  _vma.check_grads(grads, params, acc, config.axis_name)
+
+
+def _sub_state_problems(config, grads: PyTree, state: st.AccumulationState) -> list[str]:
+  """Which sub-states (and per-window sums) of ``state`` do not have the structure this
+  configuration's features make."""
+  want = jax.eval_shape(lambda: (config.sub_states(grads), config.window_sums(grads)))
+  got = ({f: getattr(state, f) for f in want[0]}, {f: getattr(state.window, f) for f in want[1]})
+  problems = []
+  for where, w, g in (("", want[0], got[0]), ("window.", want[1], got[1])):
+    for field in w:
+      if jax.tree.structure(w[field]) != jax.tree.structure(g[field]):
+        problems.append(
+          f"its {where}{field} sub-state is {_kind(g[field])}, this configuration makes "
+          f"{_kind(w[field])}"
+        )
+  kept = not isinstance(state.window.grad_sum, optax.EmptyState)
+  if kept != config.keeps_window:
+    problems.append(
+      "it holds "
+      + ("an accumulator" if kept else "no accumulator (every_k=1)")
+      + ", this configuration "
+      + ("keeps one" if config.keeps_window else "keeps none (every_k=1)")
+    )
+  return problems
+
+
+def _kind(sub: Any) -> str:
+  """A sub-state's type in words (a tuple of several: their types)."""
+  if isinstance(sub, tuple) and not hasattr(sub, "_fields"):
+    return "(" + ", ".join(_kind(s) for s in sub) + ")" if sub else "()"
+  return type(sub).__name__
 
 
 def _inner_structure_problems(config, grads: PyTree, inner_state: Any) -> list[str]:
   """Whether ``inner_state`` has the structure this configuration's inner optimizer makes
-  (``reduce=`` wraps it in ``optax.masked``); the fingerprint's values are traced under jit."""
+  (``aggregate(reduce=...)`` wraps it in ``optax.masked``); the fingerprint's values are
+  traced under jit."""
   inner = config.aggregation.inner_for(config.inner, grads)
   if jax.tree.structure(inner_state) == jax.tree.structure(jax.eval_shape(inner.init, grads)):
     return []
   return ["its inner state's structure is not this configuration's inner optimizer's"]
 
 
-def check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> None:
-  """Trace-time checks that grads match the accumulator (and params)."""
+def check_trees(grads: PyTree, acc: PyTree | None, params: PyTree, override: Any) -> None:
+  """Trace-time checks that grads match the accumulator (None: none is kept) and params."""
   g_struct = jax.tree.structure(grads)
-  if g_struct != jax.tree.structure(acc):
+  if acc is not None and g_struct != jax.tree.structure(acc):
     raise ValueError(
       "The gradient tree does not match the tree the optimizer state was initialized "
       f"with.\n  grads: {g_struct}\n  state: {jax.tree.structure(acc)}\nCall tx.init on "
@@ -355,13 +417,15 @@ def check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> No
       f"grads and params have different tree structures:\n  grads: {g_struct}\n  params: "
       f"{jax.tree.structure(params)}\nPass the params the gradients were taken with."
     )
-  others = [acc] if params is None else [acc, params]
+  others = [t for t in (acc, params) if t is not None]
+  if not others:
+    return
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
   leaves = [jax.tree.leaves(t) for t in (grads, *others)]
   for name, g, *rest in zip(names, *leaves, strict=True):
     for other in rest:
       if np.shape(g) != np.shape(other):
-        stacked = other is rest[0] and np.shape(other)[1:] == np.shape(g)
+        stacked = acc is not None and other is rest[0] and np.shape(other)[1:] == np.shape(g)
         raise ValueError(
           f"Gradient leaf {name} has shape {np.shape(g)} but the params/state have "
           f"{np.shape(other)}. "
@@ -373,6 +437,9 @@ def check_trees(grads: PyTree, acc: PyTree, params: PyTree, override: Any) -> No
             else "Pass gradients of the same params the state was made for."
           )
         )
+    if acc is None:
+      _numerics.accumulator_dtype(g.dtype, override)  # a non-float gradient raises
+      continue
     a = rest[0]
     if _numerics.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
       raise TypeError(

@@ -116,8 +116,11 @@ def check_replicated(params: PyTree, axis_name: str | tuple[str, ...] | None) ->
       )
 
 
-def check_grads(grads: PyTree, params: PyTree, acc: PyTree, axis_name: Any) -> None:
+def check_grads(grads: PyTree, params: PyTree, acc: PyTree | None, axis_name: Any) -> None:
   """Raises where the gradients' device variance says the window would be summed wrongly.
+
+  ``acc``: the window's sums, or None where none is kept (``every_k=1``: the window is this
+  call's, per device like a kept one).
 
   Under ``accumulate(axis_name=...)`` the axis must be bound (``shard_map``, ``vmap``), and a
   gradient must vary over it wherever the window sums do: one that does not was summed over
@@ -135,11 +138,16 @@ def check_grads(grads: PyTree, params: PyTree, acc: PyTree, axis_name: Any) -> N
       "axis_name out."
     )
   paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-  like = jax.tree.leaves(acc if params is None else params)
-  for (path, g), a, other in zip(paths, jax.tree.leaves(acc), like, strict=True):
+  if acc is None:  # a window made in this call is typed like a kept one (per_device_window)
+    window = varying(_vary(jax.numpy.zeros(()), _axes(axis_name))) if axis_name else frozenset()
+    window_axes = [window] * len(paths)
+  else:
+    window_axes = [varying(a) for a in jax.tree.leaves(acc)]
+  like = window_axes if params is None else [varying(p) for p in jax.tree.leaves(params)]
+  for (path, g), a, other in zip(paths, window_axes, like, strict=True):
     name = f"grads{jax.tree_util.keystr(path)}"
     if axis_name is not None:
-      summed = (set(_axes(axis_name)) & varying(a)) - varying(g)
+      summed = (set(_axes(axis_name)) & a) - varying(g)
       if summed:
         raise ValueError(
           f"{name} is the same on every device of {sorted(summed)} (not device-varying), but "
@@ -148,7 +156,7 @@ def check_grads(grads: PyTree, params: PyTree, acc: PyTree, axis_name: Any) -> N
           f"Differentiate with respect to jax.lax.pcast(params, {axis_name!r}, "
           "to='varying') (docs/scaling.md, trap 1)."
         )
-    elif local := varying(g) - varying(other):
+    elif local := varying(g) - other:
       raise ValueError(
         f"{name} varies over the mesh axes {sorted(local)} (each device its own microbatch), "
         f"but accumulate has no axis_name: pass accumulate(..., axis_name={sorted(local)[0]!r})"

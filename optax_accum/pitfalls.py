@@ -1,44 +1,22 @@
-"""Detection of the README's accumulation pitfalls, with a warning that says the fix.
+"""The warning of ``optax_accum``'s pitfall checks: :class:`PitfallWarning`.
 
-Each check reads optax's public state types at ``init`` or trace time and warns with
-:class:`PitfallWarning` (free in the compiled step): ``accumulate(...).init`` runs
-:func:`check_inner_state`; ``update_and_apply``, ``flush``, ``discard`` and the Flax
-integrations run :func:`check_state` (``accumulate``'s own ``init`` and ``update`` cannot
-see what wraps them). A clip before ``accumulate`` has an ``EmptyState`` like many
-transformations: documented (README, Pitfalls), not detected. None is wrong in every case,
-so they warn, once per call site by default. To silence them::
+``accumulate`` and the functions around it (``update_and_apply``, ``flush``, ``discard``, the
+Flax integrations, ``testing.check_equivalence``) look for what defeats accumulation (a
+schedule outside ``accumulate``, ``optax.apply_if_finite`` around it, a plain
+``nnx.Optimizer``'s step counter, BatchNorm, ...) in optax's and Flax's public types, and warn
+with the fix. None is wrong in every case, so they warn, once per call site by default. To
+silence them::
 
   warnings.filterwarnings("ignore", category=optax_accum.pitfalls.PitfallWarning)
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import os
-import sys
-import warnings
-from typing import Any
-
-import jax
-import optax
-
 __all__ = ["PitfallWarning"]
-
-PyTree = Any
-
-# Optimizer states of a schedule: their count advances on every `update` call.
-_SCHEDULE_STATES = (optax.ScaleByScheduleState,)
-# `inject_hyperparams` states: a schedule only where `hyperparams_states` is non-empty.
-_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-# True while optax_accum.flax.Optimizer (whose `step` counts applied updates) calls tx.init.
-_COUNTS_UPDATES = contextvars.ContextVar("optax_accum_counts_updates", default=False)
-# Packages whose frames are skipped when pointing a warning at the user's code.
-_INTERNAL_PACKAGES = ("optax_accum", "jax", "optax", "flax")
 
 
 class PitfallWarning(UserWarning):
-  """A transformation around or inside :func:`optax_accum.accumulate` that defeats it.
+  """A transformation or layer around or inside :func:`optax_accum.accumulate` that defeats it.
 
   The message names the pitfall and the fix. Filter it like any warning:
 
@@ -47,187 +25,3 @@ class PitfallWarning(UserWarning):
     >>> warnings.filterwarnings("ignore", category=optax_accum.pitfalls.PitfallWarning)
     >>> warnings.resetwarnings()
   """
-
-
-def _warn(message: str) -> None:
-  """Warns at the first frame outside optax_accum, jax and optax (the user's call)."""
-  internal = tuple(
-    os.path.dirname(sys.modules[p].__file__) + os.sep
-    for p in _INTERNAL_PACKAGES
-    if getattr(sys.modules.get(p), "__file__", None)
-  )
-  frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith(internal):
-    frame, level = frame.f_back, level + 1
-  warnings.warn(message, PitfallWarning, stacklevel=level + 1)
-
-
-def _find(tree: PyTree, types: tuple[type, ...]) -> list[Any]:
-  stop = lambda x: isinstance(x, types)
-  return [x for x in jax.tree.leaves(tree, is_leaf=stop) if stop(x)]
-
-
-def check_inner_state(inner_state: PyTree, state_type: type) -> PyTree:
-  """Warns when the inner optimizer of ``accumulate`` accumulates too.
-
-  ``accumulate(accumulate(opt, k2), k1)`` and ``accumulate(optax.MultiSteps(opt,
-  k2), k1)`` hand each k1-window's mean to the inner accumulator with weight 1:
-  the update is the unweighted mean of k2 window means (the mean of means), and
-  the inner optimizer steps once per ``k1 * k2`` microbatches.
-
-  Args:
-    inner_state: the inner optimizer's fresh state (returned unchanged).
-    state_type: :class:`optax_accum.AccumulationState` (this module imports no state module).
-
-  Warns:
-    PitfallWarning: naming the fix, one ``accumulate(opt, every_k=k1 * k2)``.
-
-  Examples:
-    >>> import warnings, jax.numpy as jnp, optax, optax_accum
-    >>> inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter("always")
-    ...   _ = optax_accum.accumulate(inner, every_k=4).init({'w': jnp.zeros(2)})
-    >>> [w.category.__name__ for w in caught]
-    ['PitfallWarning']
-  """
-  if _find(inner_state, (state_type,)):
-    _warn(
-      "accumulate's inner optimizer contains another accumulate: the inner one averages the "
-      "outer windows' means with equal weights (the mean of means). Use one "
-      "accumulate(opt, every_k=k_outer * k_inner)."
-    )
-  if _find(inner_state, (optax.MultiStepsState,)):
-    _warn(
-      "accumulate's inner optimizer is an optax.MultiSteps: it averages accumulate's window "
-      "means with equal weights (the mean of means) and steps once per every_k * "
-      "every_k_schedule microbatches. Use accumulate(opt, every_k=every_k * every_k_schedule) "
-      "alone (README: Migrating from optax.MultiSteps)."
-    )
-  return inner_state
-
-
-@contextlib.contextmanager
-def counting_updates():
-  """Marks ``tx.init`` calls made by an optimizer whose ``step`` counts applied updates."""
-  token = _COUNTS_UPDATES.set(True)
-  try:
-    yield
-  finally:
-    _COUNTS_UPDATES.reset(token)
-
-
-def check_params(params: PyTree) -> None:
-  """Warns when ``accumulate(...).init`` gets what a plain ``nnx.Optimizer`` passes it.
-
-  ``nnx.Optimizer(model, accumulate(...), wrt=nnx.Param)`` calls ``init`` with an ``nnx.State``
-  of the model's Variables, then adds 1 to ``step`` on every microbatch: a schedule, EMA,
-  evaluation or checkpoint keyed on ``step`` runs ``every_k`` times too often.
-  :class:`optax_accum.flax.Optimizer` (its ``step`` counts applied updates) does not warn.
-
-  Examples:
-    >>> import warnings, optax, optax_accum
-    >>> from flax import nnx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter("always")
-    ...   _ = nnx.Optimizer(model, optax_accum.accumulate(optax.sgd(0.1), 4), wrt=nnx.Param)
-    >>> [w.category.__name__ for w in caught]
-    ['PitfallWarning']
-  """
-  nnx = sys.modules.get("flax.nnx")  # a State of Variables exists only where Flax is imported
-  if nnx is None or _COUNTS_UPDATES.get() or not isinstance(params, nnx.State):
-    return
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  if any(is_var(x) for x in jax.tree.leaves(params, is_leaf=is_var)):
-    _warn(
-      "accumulate(...).init got an nnx.State of Variables, as a plain nnx.Optimizer passes "
-      "it: nnx.Optimizer adds 1 to `step` per microbatch, not per update, so schedules, EMA, "
-      "evaluation and checkpoints keyed on it run every_k times too often. Use "
-      "optax_accum.flax.Optimizer (the same constructor; its step counts applied updates), "
-      "or read optax_accum.metrics(opt.opt_state).num_updates. Calling tx.init yourself? "
-      "Pass arrays (nnx.as_pure(state)) and this is not shown."
-    )
-
-
-def check_state(opt_state: PyTree, state_type: type) -> None:
-  """Warns about transformations around ``accumulate`` visible in the optimizer state.
-
-  - ``optax.apply_if_finite(accumulate(...))``: it drops a non-finite
-    microbatch and keeps the rest of its window, so the window silently
-    shrinks; ``accumulate`` already skips a non-finite window whole.
-  - A schedule outside ``accumulate`` (``optax.scale_by_schedule`` or an
-    ``optax.sgd(schedule)`` in the same chain, before or after it, or an
-    ``optax.inject_hyperparams`` around it given a schedule): its count
-    advances once per microbatch, not once per window.
-
-  Args:
-    opt_state: any optimizer state (or ``nnx.Optimizer.opt_state``); nothing is checked
-      without an :class:`optax_accum.AccumulationState` (``state_type``) in it.
-    state_type: :class:`optax_accum.AccumulationState`.
-
-  Warns:
-    PitfallWarning: naming the fix.
-
-  Examples:
-    >>> import warnings, jax.numpy as jnp, optax, optax_accum
-    >>> tx = optax.apply_if_finite(optax_accum.accumulate(optax.sgd(0.1), every_k=4), 3)
-    >>> state = tx.init({'w': jnp.zeros(2)})
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter("always")
-    ...   optax_accum.pitfalls.check_state(state, optax_accum.AccumulationState)
-    >>> [w.category.__name__ for w in caught]
-    ['PitfallWarning']
-  """
-  acc = state_type
-  finite = _find(opt_state, (optax.ApplyIfFiniteState, acc))
-  if any(isinstance(s, optax.ApplyIfFiniteState) and _find(s, (acc,)) for s in finite):
-    _warn(
-      "optax.apply_if_finite around accumulate drops a non-finite microbatch and keeps the rest "
-      "of its window: the window silently shrinks. Remove apply_if_finite: accumulate skips a "
-      "non-finite window whole (skip_nonfinite=True) and counts it in metrics(state).num_skipped."
-    )
-  outside = _find(opt_state, (*_SCHEDULE_STATES, acc))  # stops at accumulate's own state
-  injected = _find(opt_state, (*_INJECT_STATES, acc))
-  if (
-    any(isinstance(s, acc) for s in outside)
-    and any(isinstance(s, _SCHEDULE_STATES) for s in outside)
-  ) or any(
-    isinstance(s, _INJECT_STATES) and s.hyperparams_states and _find(s.inner_state, (acc,))
-    for s in injected
-  ):
-    _warn(
-      "a schedule outside accumulate (optax.scale_by_schedule, an optimizer given a "
-      "schedule, or optax.inject_hyperparams around it) counts microbatches, not updates. "
-      "Put it inside: "
-      "accumulate(optax.chain(..., optax.scale_by_schedule(s)), every_k), or give the inner "
-      "optimizer the schedule: accumulate(optax.adamw(schedule), every_k)."
-    )
-
-
-def check_fp8_scale(fp8: bool, weighted_mean: bool, every_k: Any) -> None:
-  """Warns when Flax FP8 meta meets windows of mean losses (``accumulate`` without a denominator).
-
-  The backward pass quantizes each microbatch's output gradient with the window's FP8 scale,
-  set for the whole window's gradient; the gradient of one microbatch's *mean* loss is
-  ``1 / share`` times larger and saturates. The fix: each microbatch's loss at the window's
-  scale (its sum over the window's weight, known in advance) with ``denominator=1``, or
-  :func:`optax_accum.microbatched_value_and_grad`, which does it (docs/aggregation.md).
-
-  Examples:
-    >>> import warnings, optax_accum
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter("always")
-    ...   optax_accum.pitfalls.check_fp8_scale(True, True, 4)
-    >>> [w.category.__name__ for w in caught]
-    ['PitfallWarning']
-  """
-  if fp8 and weighted_mean and every_k != 1:
-    _warn(
-      "accumulate got Flax FP8 meta (the _overwrite_with_gradient collection) with windows "
-      "of mean losses: each microbatch's output gradient would be quantized with the whole "
-      "window's FP8 scale while being 1/share times larger, and saturate. Compute each "
-      "microbatch's loss at the window's scale (sum over the window's weight N, known in "
-      "advance: loss.sum() / N) and pass denominator=1, or use "
-      "optax_accum.microbatched_value_and_grad (docs/aggregation.md)."
-    )

@@ -2,7 +2,7 @@
 
 Both compile the demo's own train step (:func:`optax_accum.demo.train`'s, with
 the optimizer state donated) for abstract arguments and read its bytes with
-:func:`optax_accum.planning.compiled_peak_bytes`; nothing is allocated.
+``compiled_peak_bytes``; nothing is allocated.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flax import nnx
 
 import optax_accum
 import optax_accum.flax
-from optax_accum import planning
+from optax_accum import _planning as planning
 from optax_accum.demo.setup import DemoConfig, make_inner, make_model
 
 RAM_FRACTION = 0.8
@@ -67,7 +67,7 @@ def step_and_args(config: DemoConfig) -> tuple[Callable[..., Any], Callable[[int
 def machine_budget() -> tuple[int, str]:
   """The bytes one demo step may use here, and where the number comes from.
 
-  On an accelerator: :func:`optax_accum.planning.default_budget` (its
+  On an accelerator: ``default_budget`` (its
   ``bytes_limit`` less the safety margin). On CPU, which reports no limit:
   :data:`RAM_FRACTION` of the physical RAM
   (``os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')``).
@@ -96,7 +96,7 @@ def plan_config(config: DemoConfig, memory_budget: str) -> tuple[DemoConfig, str
   """Plans ``--memory-budget``: the largest microbatch of the same window that fits.
 
   Keeps the effective batch ``microbatch_size * every_k``: the candidates are
-  its divisors, and :func:`optax_accum.planning.microbatches_for` gives the new
+  its divisors, and :meth:`MicrobatchPlan.microbatches_for` gives the new
   ``microbatch_size`` and ``every_k``.
 
   Args:
@@ -120,7 +120,7 @@ def plan_config(config: DemoConfig, memory_budget: str) -> tuple[DemoConfig, str
   plan = planning.plan_microbatch(
     step, make_args, memory_budget=memory_budget, sizes=_divisors(global_batch)
   )
-  split = planning.microbatches_for(plan, global_batch)
+  split = plan.microbatches_for(global_batch)
   config = dataclasses.replace(config, microbatch_size=split.microbatch_size, every_k=split.every_k)
   line = (
     f"memory plan: microbatch_size={split.microbatch_size} every_k={split.every_k} (window of "

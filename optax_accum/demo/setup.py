@@ -26,7 +26,7 @@ class DemoConfig:
     every_k: microbatches per window (one AdamW step per window) when
       ``tokens_per_update`` is None; else only the pre-flight's window length.
     tokens_per_update: real bytes (tokens) per window: each window closes at
-      the first microbatch reaching it (``accumulate(..., window_weight=N)``),
+      the first microbatch reaching it (``accumulate(inner, optax_accum.token_budget(N))``),
       so every update sees about the same number of tokens; None: windows of
       ``every_k`` microbatches, whose token counts vary.
     updates: optimizer updates (windows) to train for.

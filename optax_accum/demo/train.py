@@ -207,11 +207,12 @@ def train(
   model = make_model(config)
   inner = make_inner(config) if inner is None else inner
   budget = config.tokens_per_update
-  # The gradient noise scale (docs/noise_scale.md): B_simple in tokens, from each window.
-  if budget is None:
-    tx = optax_accum.accumulate(inner, config.every_k, noise_scale_decay=NOISE_SCALE_DECAY)
-  else:  # each window closes at the first microbatch reaching `budget` real bytes
-    tx = optax_accum.accumulate(inner, window_weight=budget, noise_scale_decay=NOISE_SCALE_DECAY)
+  # Each window closes at its every_k-th microbatch, or (a token budget) at the first one
+  # reaching `budget` real bytes; the gradient noise scale (docs/noise_scale.md) is B_simple in
+  # tokens, from each window's microbatches.
+  every_k = config.every_k if budget is None else optax_accum.token_budget(budget)
+  noise = optax_accum.noise_scale(NOISE_SCALE_DECAY)
+  tx = optax_accum.accumulate(inner, every_k, observe=(noise,))
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)

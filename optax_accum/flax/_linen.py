@@ -17,7 +17,7 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optax_accum import pitfalls
+from optax_accum import _migration, _pitfalls
 from optax_accum._actions import update_and_apply
 from optax_accum._state import AccumulationState, find_states
 
@@ -91,7 +91,7 @@ class TrainState(train_state.TrainState):
     owg = _has_owg(grads) and not find_states(self.opt_state)
     params = self.params["params"] if owg else self.params
     grads_opt = None if grads is None else (grads["params"] if owg else grads)
-    pitfalls.check_state(self.opt_state, AccumulationState)
+    _pitfalls.check_state(self.opt_state, AccumulationState)
     new_params, new_opt_state = step_fn(grads_opt, params)
     if owg:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
@@ -109,8 +109,12 @@ class TrainState(train_state.TrainState):
       step=self.step + applied, params=new_params, opt_state=new_opt_state, **kwargs
     )
 
+  def __getattr__(self, name: str) -> Any:
+    """Only reached for a missing attribute: a removed one names its replacement."""
+    raise _migration.removed("TrainState", name)
+
   def apply_gradients(
-    self, *, grads: Any, weight: Any = 1, flush: Any = False, **kwargs: Any
+    self, *, grads: Any, weight: Any = 1, flush: Any = False, value: Any = None, **kwargs: Any
   ) -> TrainState:
     """Adds one microbatch's gradients; applies the window at its boundary.
 
@@ -122,6 +126,9 @@ class TrainState(train_state.TrainState):
         scalar, may be traced). Default 1: every microbatch weighs the same.
       flush: bool (may be traced); close the window after this microbatch even
         if it is incomplete (the last microbatch of the data).
+      value: the microbatch's loss (optional): the window's weighted mean is
+        ``metrics(state.opt_state).window_loss`` and the inner optimizer's ``value``
+        (``optax.contrib.reduce_on_plateau``).
       **kwargs: other dataclass fields to ``.replace()``, as in Flax.
 
     Returns:
@@ -131,10 +138,11 @@ class TrainState(train_state.TrainState):
       TypeError, ValueError: from ``tx.update`` (a bad weight, grads not matching the params).
       ValueError: if ``tx`` contains several ``accumulate`` transformations.
     """
+    extra = {"weight": weight, "flush": flush}
+    if value is not None:
+      extra["value"] = value
     return self._apply(
-      lambda g, p: update_and_apply(self.tx, g, self.opt_state, p, weight=weight, flush=flush),
-      grads,
-      **kwargs,
+      lambda g, p: update_and_apply(self.tx, g, self.opt_state, p, **extra), grads, **kwargs
     )
 
 

@@ -191,10 +191,10 @@ def _counting_states(node: PyTree, acc: type) -> list[Any]:
   integer scalar (``optax.inject_hyperparams``' only where it injects a schedule)."""
   if isinstance(node, acc):
     return []
-  found = []
   if "count" in getattr(node, "_fields", ()) and _is_counter(node.count):
     if not isinstance(node, _INJECT_STATES) or node.hyperparams_states:
-      found.append(node)
+      return [node]  # its own parts (a schedule's state inside it) are its business
+  found = []
   children = jax.tree.leaves(node, is_leaf=lambda x: x is not node)
   if not (len(children) == 1 and children[0] is node):
     for child in children:

@@ -224,7 +224,7 @@ def fingerprint_problems(got: Fingerprint, want: Fingerprint) -> list[str]:
   """What differs between a state's fingerprint and the transformation's, in words."""
   problems = []
   if got.every_k != want.every_k:
-    show = lambda k: f"every_k={k}" if k else "no fixed every_k (a schedule or window_weight)"
+    show = lambda k: f"every_k={k}" if k else "no fixed every_k (a schedule or a token budget)"
     problems.append(f"the state has {show(got.every_k)}, the transformation {show(want.every_k)}")
   if got.loss_scale != want.loss_scale:
     show = lambda s: f"loss_scale={s}_loss_scale" if s else "no loss_scale"

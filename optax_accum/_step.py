@@ -220,9 +220,9 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   split = agg.split(sums.grad_sum)
   scale = config.loss_scale.scale(header.loss_scale)
   d = agg.value(sums.weight_sum, header.num_updates)  # the weight sum, or the fixed denominator
-  norm, finite = split.norm_and_finite(sums.grad_sum, d, scale)
+  norm, norm_finite = split.norm_and_finite(sums.grad_sum, d, scale)
   # A schedule's traced value <= 0 or not finite skips; the mean must fit the dtype inner gets.
-  finite = finite & agg.usable(d) & split.fits(sums.grad_sum, d, scale, norm, dtypes.mean)
+  finite = norm_finite & agg.usable(d) & split.fits(sums.grad_sum, d, scale, norm, dtypes.mean)
   empty = sums.weight_sum == 0
   has_value = sums.value_weight > 0
   loss_sum = _numerics.guarded_divide(sums.value_sum, agg.loss_denominator(sums.value_weight, d))
@@ -255,7 +255,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   out, new_sum, inner_state, ok = jax.lax.cond(apply, run_inner, keep_inner, operands)
   new_sum = place.after_inner(grad_sum, new_sum, inner_state, out)
   outcome = Outcome(stats, apply & ok, finite & (ok | ~apply), empty, spike, scale)
-  header = _counters(header, outcome, norm)
+  header = _counters(header, outcome, norm, norm_finite)
   header = header._replace(
     loss_scale=config.loss_scale.close(header.loss_scale, outcome),
     policy=config.policy.close(header.policy, sums.policy, outcome),
@@ -268,13 +268,14 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   return out, new_sum, inner_state, header
 
 
-def _counters(header: st.AccumulationState, outcome: Outcome, norm: jax.Array):
+def _counters(header: st.AccumulationState, outcome: Outcome, norm: jax.Array, norm_finite):
   """The state's counters and last-window values after ``outcome``; nothing non-finite enters
-  the state ("no value" is a flag)."""
+  the state ("no value" is a flag). A window skipped for a 16-bit overflow keeps its norm (a
+  NaN/Inf window has none)."""
   stats, empty = outcome.stats, outcome.empty
   skipped = ~empty & ~outcome.finite
   norm = norm.astype(header.grad_norm.dtype)
-  has_norm = ~empty & outcome.finite & jnp.isfinite(norm)
+  has_norm = ~empty & norm_finite & jnp.isfinite(norm)
   has_loss = stats.has_loss & jnp.isfinite(stats.loss)
   count = lambda flag, n: jnp.where(flag, optax.safe_increment(n), n)
   return header._replace(
@@ -372,8 +373,8 @@ def _sub_state_problems(config, grads: PyTree, state: st.AccumulationState) -> l
     for field in w:
       if jax.tree.structure(w[field]) != jax.tree.structure(g[field]):
         problems.append(
-          f"its {where}{field} sub-state is {_kind(g[field])}, this configuration makes "
-          f"{_kind(w[field])}"
+          f"its {where}{field} sub-state is {_kind(g[field])}, this configuration "
+          f"({_ARGUMENT[field]}) makes {_kind(w[field])}"
         )
   kept = not isinstance(state.window.grad_sum, optax.EmptyState)
   if kept != config.keeps_window:
@@ -384,6 +385,15 @@ def _sub_state_problems(config, grads: PyTree, state: st.AccumulationState) -> l
       + ("keeps one" if config.keeps_window else "keeps none (every_k=1)")
     )
   return problems
+
+
+_ARGUMENT = {
+  "loss_scale": "loss_scale=",
+  "policy": "every_k=, the window policy",
+  "observers": "observe=",
+  "guard": "skip_if=",
+  "aggregation": "aggregate=",
+}
 
 
 def _kind(sub: Any) -> str:

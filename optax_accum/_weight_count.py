@@ -2,7 +2,7 @@
 
 The open window's weight is kept in 12-bit parts (:func:`add_parts`) that ride in the
 boundary's one all-reduce and are added to a count there (:func:`count_parts`). Used by the
-token budget (``accumulate(..., window_weight=...)``, docs/window_weight.md).
+token budget (``optax_accum.token_budget``, docs/token_budget.md).
 """
 
 from __future__ import annotations

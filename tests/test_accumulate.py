@@ -616,16 +616,14 @@ def test_empty_window_counts_nothing():
   assert int(s.num_updates) == 1
 
 
-def test_skip_nonfinite_false_passes_nan_to_inner():
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=False)
-  step = make_step(tx)
-  p = {"w": jnp.zeros(2)}
-  s = tx.init(p)
-  _, s, _ = call(step, {"w": jnp.array([1.0, jnp.nan])}, s, p)
-  u, s, _ = call(step, {"w": jnp.array([1.0, 1.0])}, s, p)
-  # Documented behaviour: the window is applied as is, NaN included.
-  assert float(u["w"][0]) == -1.0 and np.isnan(u["w"][1])
-  assert int(s.num_updates) == 1 and int(s.num_skipped) == 0
+def test_skip_nonfinite_false_is_refused_the_state_stays_finite():
+  """0.4 always skips a non-finite window (the state is always finite); 0.3's escape hatch
+  raises, naming why, after its DeprecationWarning."""
+  with pytest.warns(DeprecationWarning, match="skip_nonfinite"):
+    with pytest.raises(ValueError, match=r"always skipped .* Drop skip_nonfinite"):
+      optax_accum.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=False)
+  with pytest.warns(DeprecationWarning, match="skip_nonfinite"):
+    optax_accum.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=True)  # what it always does
 
 
 # ----------------------------------------------------------------------------- errors
@@ -720,18 +718,33 @@ def test_flush_of_a_plain_optimizer_raises():
     optax_accum.flush(inner, inner.init(params), params)
 
 
+def test_unknown_keywords_raise_as_python_does():
+  with pytest.raises(TypeError, match="unexpected keyword argument 'clip'"):
+    optax_accum.accumulate(optax.sgd(1.0), 2, clip=1.0)
+
+
 @pytest.mark.parametrize(
   "kwargs, error, match",
   [
-    (dict(clip_norm=True), TypeError, "clip_norm must be a number"),
-    (dict(clip_norm="1"), TypeError, "clip_norm must be a number"),
-    (dict(clip_norm=float("inf")), ValueError, "clip_norm must be finite"),
-    (dict(skip_nonfinite="no"), TypeError, "skip_nonfinite must be True or False"),
+    (dict(aggregate="mean"), TypeError, r"aggregate must be optax_accum.aggregate"),
+    (dict(observe=(0.9,)), TypeError, r"observe takes a tuple of observers"),
+    (dict(skip_if=3), TypeError, r"skip_if takes optax_accum.spike_rule"),
+    (dict(loss_scale=2.0), TypeError, r"loss_scale must be None"),
+    (dict(axis_name=3), TypeError, r"axis_name must be None"),
   ],
 )
-def test_bad_options_raise(kwargs, error, match):
+def test_bad_feature_objects_name_the_argument(kwargs, error, match):
   with pytest.raises(error, match=match):
     optax_accum.accumulate(optax.sgd(1.0), 2, **kwargs)
+
+
+def test_accumulate_takes_at_most_nine_named_parameters():
+  """Issue 38: features are objects; accumulate's own parameters stay few."""
+  import inspect
+
+  params = inspect.signature(optax_accum.accumulate).parameters.values()
+  named = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+  assert len(named) <= 9, named
 
 
 def test_uncalled_inner_factory_raises():
@@ -748,26 +761,59 @@ def test_non_numeric_weight_raises(weight):
 
 
 def test_public_surface_is_small():
-  # 15 names before the redesign, + Accumulation (the type accumulate returns), + spike_rule.
-  assert len(optax_accum.__all__) == len(set(optax_accum.__all__)) <= 17
-  assert all(hasattr(optax_accum, name) for name in optax_accum.__all__)
+  """Issue 38, item 4: at most 30 names in all public modules together, each in __all__."""
+  import importlib
+
+  names = set()
+  for module in ("optax_accum", "optax_accum.sharding", "optax_accum.testing",
+                 "optax_accum.flax", "optax_accum.pitfalls"):  # fmt: skip
+    m = importlib.import_module(module)
+    assert len(m.__all__) == len(set(m.__all__))
+    assert all(hasattr(m, name) for name in m.__all__), module
+    names |= set(m.__all__)
+  assert len(names) <= 30, sorted(names)
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     _ = optax_accum.nope
 
 
 @pytest.mark.parametrize(
-  "name",
+  "name, replacement",
   [
-    "abstract_state",
-    "check_compatible",
-    "count_collectives",
-    "StaticLossScale",
-    "apply_if_updated",
+    ("abstract_state", "optax_accum.sharding.abstract_state"),
+    ("check_compatible", "optax_accum.sharding.check_compatible"),
+    ("count_collectives", "optax_accum.testing.count_collectives"),
+    ("StaticLossScale", r"optax_accum.static_loss_scale\(value\)"),
+    ("apply_if_updated", "optax_accum.update_and_apply"),
   ],
 )
-def test_removed_top_level_names_are_gone(name):
-  # They live only at their new homes (optax_accum.sharding, optax_accum.testing,
-  # static_loss_scale(...), update_and_apply).
+def test_names_removed_earlier_raise_naming_their_replacement(name, replacement):
   assert name not in optax_accum.__all__
-  with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+  with pytest.raises(AttributeError, match=f"{name} was removed .*; use {replacement}"):
     getattr(optax_accum, name)
+
+
+@pytest.mark.parametrize(
+  "name, spelling",
+  [
+    ("get_loss_scale", r"metrics\(opt_state\).loss_scale"),
+    ("scaled_value_and_grad", r"microbatched_value_and_grad\(loss_fn, 1"),
+    ("split_batch", "microbatched_value_and_grad"),
+    ("sqrt_scaled_schedule", r"token_budget\(ramp, of='num_updates'\).sqrt_scaled_schedule"),
+    ("Metrics", r"optax_accum.metrics\(...\)"),
+    ("Accumulation", r"optax_accum.accumulate\(...\)"),
+  ],
+)
+def test_names_moved_in_0_4_work_for_one_release_with_a_warning(name, spelling):
+  assert name not in optax_accum.__all__
+  with pytest.warns(DeprecationWarning, match=f"removed in 0.5; use .*{spelling}"):
+    assert getattr(optax_accum, name) is not None
+
+
+def test_planning_module_forwards_with_a_warning():
+  import optax_accum.planning as planning
+
+  with pytest.warns(DeprecationWarning, match=r"plan.microbatches_for\(global_batch\)"):
+    microbatches_for = planning.microbatches_for
+  plan = optax_accum._planning.MicrobatchPlan(48, 0, 0, {}, 0, 0, 0.0, 0.0)
+  assert microbatches_for(plan, 256) == plan.microbatches_for(256)
+  assert planning.__all__ == []

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import optax_accum
+from optax_accum._accumulate import Accumulation
 
 # M2 of the reference cases: linear regression, 26 examples in microbatches of 8, 8, 8, 2.
 _RNG = np.random.default_rng(0)
@@ -93,7 +94,7 @@ def test_matches_apply_updates_through_chain_and_flush():
 def test_update_and_apply_equals_update_then_apply():
   """The fused path (params through accumulate's cond) against tx.update + apply_updates."""
   inner = optax.adamw(1e-2, weight_decay=1e-2)
-  tx = optax_accum.accumulate(inner, every_k=3, clip_norm=0.5)
+  tx = optax_accum.accumulate(optax.chain(optax.clip_by_global_norm(0.5), inner), every_k=3)
   params_a = _fresh(_params())
   state_a = tx.init(params_a)
   params_b, state_b = _params(), tx.init(_params())
@@ -179,10 +180,10 @@ def test_members_after_accumulate_change_the_updates_on_both_paths(make):
 
 def test_fused_path_only_for_accumulates_own_transformation():
   acc = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
-  assert isinstance(acc, optax_accum.Accumulation) and callable(acc.update_and_apply)
+  assert isinstance(acc, Accumulation) and callable(acc.update_and_apply)
   assert isinstance(acc, optax.GradientTransformationExtraArgs)
   for other in (optax.chain(acc), _halving_wrapper(acc), optax.sgd(1.0)):
-    assert not isinstance(other, optax_accum.Accumulation)
+    assert not isinstance(other, Accumulation)
     assert not hasattr(other, "update_and_apply")
 
 
@@ -194,7 +195,7 @@ def test_copies_keep_the_fused_step_and_replace_drops_it():
   acc = optax_accum.accumulate(optax.sgd(1.0), every_k=1)
   params, g = {"w": jnp.ones(2)}, {"w": jnp.array([0.5, 2.0])}
   for tx in (copy.copy(acc), copy.deepcopy(acc)):
-    assert isinstance(tx, optax_accum.Accumulation)
+    assert isinstance(tx, Accumulation)
     new, _ = optax_accum.update_and_apply(tx, g, tx.init(params), params)
     chex.assert_trees_all_equal(new, {"w": jnp.array([0.5, -1.0])})  # 1 - g
   replaced = acc._replace(update=acc.update)

@@ -43,7 +43,9 @@ def test_fixed_denominator_gives_the_weighted_sum_over_n_exactly():
   """sgd(1): the update is -sum_i w_i g_i / N, whatever the realized weight (here 7, N=8)."""
   grads = [{"w": np.array([3.0, -1.0])}, {"w": np.array([1.0, 5.0])}, {"w": np.array([2.0, 2.0])}]
   weights = [2, 4, 1]
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=3, denominator=8)
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=3, aggregate=optax_accum.aggregate(denominator=8)
+  )
   params, state, emitted = run(tx, grads, weights, {"w": jnp.zeros(2)}, fused=False)
   expected = -sum(w * g["w"] for g, w in zip(grads, weights, strict=True)) / 8  # float64
   np.testing.assert_array_equal(emitted[-1]["w"], expected.astype(np.float32))
@@ -55,12 +57,16 @@ def test_fixed_denominator_gives_the_weighted_sum_over_n_exactly():
 def test_denominator_one_is_the_sum_and_a_schedule_is_read_per_window():
   grads = [{"w": np.array([1.5])}, {"w": np.array([-0.5])}] * 2
   weights = [3, 2, 3, 2]
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, denominator=lambda n: 2.0 ** (n + 1))
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=2, aggregate=optax_accum.aggregate(denominator=lambda n: 2.0 ** (n + 1))
+  )
   _, _, emitted = run(tx, grads, weights, {"w": jnp.zeros(1)}, fused=False)
   window = 3 * 1.5 + 2 * -0.5
   np.testing.assert_array_equal(emitted[1]["w"], [-window / 2])  # num_updates 0: N = 2
   np.testing.assert_array_equal(emitted[3]["w"], [-window / 4])  # num_updates 1: N = 4
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, denominator=1)
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=2, aggregate=optax_accum.aggregate(denominator=1)
+  )
   _, _, emitted = run(tx, grads[:2], weights[:2], {"w": jnp.zeros(1)}, fused=False)
   np.testing.assert_array_equal(emitted[1]["w"], [-window])
 
@@ -70,7 +76,9 @@ def test_empty_window_with_a_fixed_denominator(apply_empty):
   """DP-SGD with Poisson sampling: a window may be empty. apply_empty runs the inner on zeros
   (its count and weight decay advance, as its noise would be added); else it is skipped."""
   inner = optax.chain(optax.add_decayed_weights(0.5), optax.scale_by_adam(), optax.scale(-0.1))
-  tx = optax_accum.accumulate(inner, every_k=2, denominator=4, apply_empty=apply_empty)
+  tx = optax_accum.accumulate(
+    inner, every_k=2, aggregate=optax_accum.aggregate(denominator=4, apply_empty=apply_empty)
+  )
   params = {"w": jnp.array([1.0, -2.0])}
   zeros = {"w": np.zeros(2)}
   new, state, _ = run(tx, [zeros, zeros], [0, 0], params)
@@ -88,7 +96,9 @@ def test_empty_window_with_a_fixed_denominator(apply_empty):
 def test_flush_of_a_window_without_microbatches_is_a_no_op_with_apply_empty():
   """An epoch's-end flush adds no DP-SGD step when the last window closed on its own; a window
   of weight-0 microbatches is one (Poisson sampling drew nothing) and is applied."""
-  tx = optax_accum.accumulate(optax.adam(0.1), every_k=2, denominator=4.0, apply_empty=True)
+  tx = optax_accum.accumulate(
+    optax.adam(0.1), every_k=2, aggregate=optax_accum.aggregate(denominator=4.0, apply_empty=True)
+  )
   params = {"w": jnp.array([1.0, -2.0])}
   ones = {"w": np.ones(2)}
   params, state, _ = run(tx, [ones, ones], [1, 1], params)  # one full window
@@ -107,7 +117,9 @@ def test_a_schedule_value_that_cannot_divide_raises_eagerly_and_skips_under_jit(
   """A denominator schedule's value must be finite and > 0, like a fixed one: concrete, it
   raises; traced (under jit), the window is skipped and counted, nothing else changes."""
   params, ones = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1, denominator=lambda n: 4.0 - 4.0 * n)
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=1, aggregate=optax_accum.aggregate(denominator=lambda n: 4.0 - 4.0 * n)
+  )
   state = tx.init(params)
   params, state = optax_accum.update_and_apply(tx, ones, state, params)  # N = 4
   np.testing.assert_array_equal(params["w"], [-0.25, -0.25])
@@ -118,20 +130,50 @@ def test_a_schedule_value_that_cannot_divide_raises_eagerly_and_skips_under_jit(
   np.testing.assert_array_equal(new["w"], params["w"])
   assert int(state.num_skipped) == 1 and int(state.num_updates) == 1
   assert_state_finite(state)
-  negative = optax_accum.accumulate(optax.sgd(1.0), every_k=1, denominator=lambda n: -2.0)
+  negative = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=1, aggregate=optax_accum.aggregate(denominator=lambda n: -2.0)
+  )
   with pytest.raises(ValueError, match="got -2.0"):  # a constant: concrete under jit too
     jax.jit(lambda s: negative.update(ones, s, params))(negative.init(params))
+
+
+def test_in_step_fixed_denominator_needs_an_explicit_weight_fn():
+  """Issue 37, item 2: in-step weighted microbatches by rows, accumulate by 1, under the same
+  denominator; the default would differ, so the choice is asked for, and both paths agree."""
+  loss = lambda w, mb: jnp.sum((mb - w) ** 2) / 8  # at the batch's scale: 8 rows in all
+  agg = optax_accum.aggregate(denominator=1)
+  with pytest.raises(ValueError, match=r"needs weight_fn=.*lambda mb: 1"):
+    optax_accum.microbatched_value_and_grad(loss, 4, aggregate=agg)
+  batch = jnp.arange(8.0)
+  value, grad = optax_accum.microbatched_value_and_grad(
+    loss, 4, weight_fn=lambda mb: 1, aggregate=agg
+  )(0.5, batch)
+  want_value, want_grad = jax.value_and_grad(loss)(0.5, batch)  # one physical batch
+  np.testing.assert_allclose([value, grad], [want_value, want_grad], rtol=1e-6)
+  # Across steps: the default weight 1, the same denominator, the same gradient.
+  tx = optax_accum.accumulate(optax.sgd(1.0), 4, aggregate=agg)
+  state, params = tx.init(jnp.asarray(0.5)), jnp.asarray(0.5)
+  for mb in batch.reshape(4, 2):
+    u, state = tx.update(jax.grad(loss)(params, mb), state, params)
+  np.testing.assert_allclose(-u, want_grad, rtol=1e-6)
 
 
 def test_in_step_denominator_arrays_are_checked():
   loss = lambda w, mb: jnp.mean((mb - w) ** 2)
   for bad in (jnp.asarray(0.0), jnp.asarray(-2.0), np.float32(np.inf)):
     with pytest.raises(ValueError, match="denominator must be finite and > 0"):
-      optax_accum.microbatched_value_and_grad(loss, 2, denominator=bad)
+      optax_accum.microbatched_value_and_grad(
+        loss, 2, aggregate=optax_accum.aggregate(denominator=bad)
+      )
   with pytest.raises(TypeError, match=r"denominator must be a real scalar \(0-d\)"):
-    optax_accum.microbatched_value_and_grad(loss, 2, denominator=jnp.asarray([2.0, 4.0]))
+    optax_accum.microbatched_value_and_grad(
+      loss, 2, aggregate=optax_accum.aggregate(denominator=jnp.asarray([2.0, 4.0]))
+    )
   batch = jnp.arange(4.0)
-  f = lambda d: optax_accum.microbatched_value_and_grad(loss, 2, denominator=d)(0.0, batch)
+  rows = lambda mb: mb.shape[0]  # explicit: with a fixed denominator the weight is a choice
+  f = lambda d: optax_accum.microbatched_value_and_grad(
+    loss, 2, weight_fn=rows, aggregate=optax_accum.aggregate(denominator=d)
+  )(0.0, batch)
   value, grad = jax.jit(f)(jnp.asarray(8.0))  # traced: used as it is
   sq = np.arange(4.0) ** 2  # each microbatch's mean loss has weight 2 (its rows): sum / 8
   np.testing.assert_allclose(float(value), 2 * (sq[:2].mean() + sq[2:].mean()) / 8, rtol=1e-6)
@@ -140,23 +182,36 @@ def test_in_step_denominator_arrays_are_checked():
 
 def test_apply_empty_needs_a_denominator_and_bad_values_raise():
   with pytest.raises(ValueError, match="apply_empty=True needs a fixed denominator"):
-    optax_accum.accumulate(optax.sgd(1.0), every_k=2, apply_empty=True)
+    optax_accum.accumulate(
+      optax.sgd(1.0), every_k=2, aggregate=optax_accum.aggregate(apply_empty=True)
+    )
   for bad in (0, -1.0, float("inf")):
     with pytest.raises(ValueError, match="denominator must be finite and > 0"):
-      optax_accum.accumulate(optax.sgd(1.0), every_k=2, denominator=bad)
-  with pytest.raises(ValueError, match="each rule must be one of"):
-    optax_accum.accumulate(optax.sgd(1.0), every_k=2, reduce={"w": "median"})
-  with pytest.raises(ValueError, match="noise_scale_decay"):
-    optax_accum.accumulate(optax.sgd(1.0), 2, denominator=4, noise_scale_decay=0.9)
+      optax_accum.accumulate(
+        optax.sgd(1.0), every_k=2, aggregate=optax_accum.aggregate(denominator=bad)
+      )
+  with pytest.raises(ValueError, match="each must be one of"):
+    optax_accum.accumulate(
+      optax.sgd(1.0), every_k=2, aggregate=optax_accum.aggregate(reduce={"w": "median"})
+    )
+  with pytest.raises(ValueError, match="noise_scale estimates the noise of a weighted mean"):
+    optax_accum.accumulate(
+      optax.sgd(1.0),
+      2,
+      observe=(optax_accum.noise_scale(0.9),),
+      aggregate=optax_accum.aggregate(denominator=4),
+    )
 
 
 def test_flush_loss_and_clip_with_a_fixed_denominator():
   """An incomplete window is divided by N too (not by what it holds); the window loss is
   sum_i w_i v_i / N; the clip acts on the unscaled window value (C9's rule)."""
   tx = optax_accum.accumulate(
-    optax.sgd(1.0), every_k=4, denominator=10, clip_norm=1.0,
+    optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)),
+    every_k=4,
     loss_scale=optax_accum.static_loss_scale(64.0),
-  )  # fmt: skip
+    aggregate=optax_accum.aggregate(denominator=10),
+  )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   g1, g2 = np.array([30.0, 0.0]), np.array([0.0, 40.0])  # unscaled grads, weights 1 and 1
@@ -180,7 +235,9 @@ def test_flush_loss_and_clip_with_a_fixed_denominator():
 def test_denominator_matches_a_float64_reference(weights, n, seed):
   rng = np.random.default_rng(seed)
   grads = [{"w": rng.normal(size=3)} for _ in weights]
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=len(weights), denominator=n)
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=len(weights), aggregate=optax_accum.aggregate(denominator=n)
+  )
   _, _, emitted = run(tx, grads, weights, {"w": jnp.zeros(3)}, fused=False)
   expected = -sum(w * g["w"] for g, w in zip(grads, weights, strict=True)) / n
   np.testing.assert_allclose(emitted[-1]["w"], expected, rtol=2e-6, atol=1e-6)
@@ -202,7 +259,9 @@ def test_max_last_and_sum_leaves():
   grads[1]["m"] = np.full(3, 1e6)  # weight 0: not a sample of the window
   params = {"m": jnp.zeros(3), "l": jnp.full(2, 7.0), "s": jnp.zeros(2)}
   tx = optax_accum.accumulate(
-    optax.sgd(1.0), every_k=4, reduce={"m": "max", "l": "last", "s": "sum"}
+    optax.sgd(1.0),
+    every_k=4,
+    aggregate=optax_accum.aggregate(reduce={"m": "max", "l": "last", "s": "sum"}),
   )
   new, state, _ = run(tx, grads, weights, params)
   seen = [g for g, w in zip(grads, weights, strict=True) if w]
@@ -221,7 +280,9 @@ def test_max_last_and_sum_leaves():
 def test_overwrite_false_hands_the_reduced_value_to_the_inner():
   grads, weights = rule_data()
   params = {"m": jnp.ones(3), "l": jnp.ones(2), "s": jnp.ones(2)}
-  tx = optax_accum.accumulate(optax.sgd(0.5), every_k=4, reduce="max", overwrite=False)
+  tx = optax_accum.accumulate(
+    optax.sgd(0.5), every_k=4, aggregate=optax_accum.aggregate(reduce="max", overwrite=False)
+  )
   new, _, _ = run(tx, grads, weights, params)
   seen = [g for g, w in zip(grads, weights, strict=True) if w]
   for k in params:
@@ -233,8 +294,11 @@ def test_skipped_window_leaves_overwritten_leaves_untouched():
   grads, weights = rule_data()
   grads[2]["s"] = np.array([np.nan, 1.0])
   params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
-  tx = optax_accum.accumulate(optax.adam(0.1), every_k=4, reduce={"m": "max", "l": "last",
-                                                                   "s": "mean"})  # fmt: skip
+  tx = optax_accum.accumulate(
+    optax.adam(0.1),
+    every_k=4,
+    aggregate=optax_accum.aggregate(reduce={"m": "max", "l": "last", "s": "mean"}),
+  )
   new, state, _ = run(tx, grads, weights, params)
   for k in params:
     np.testing.assert_array_equal(new[k], params[k])
@@ -246,11 +310,15 @@ def test_a_callable_rule_of_the_params_and_a_bad_prefix():
   grads, weights = rule_data()
   params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
   by_name = lambda tree: {k: "max" if k == "m" else "mean" for k in tree}
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce=by_name)
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(reduce=by_name)
+  )
   new, _, _ = run(tx, grads, weights, params)
   seen = [g for g, w in zip(grads, weights, strict=True) if w]
   np.testing.assert_array_equal(new["m"], np.max([g["m"] for g in seen], 0).astype(np.float32))
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce={"m": "max"})
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(reduce={"m": "max"})
+  )
   with pytest.raises(ValueError, match="reduce= must be a rule or a tree prefix"):
     tx.init(params)
 
@@ -260,29 +328,41 @@ def test_a_dict_prefix_names_paths_of_any_mapping_and_refuses_what_the_params_la
   None entries; a name the params lack, or a leaf the prefix misses, raises (nothing dropped)."""
   grads, weights = rule_data()
   params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce={"m": "max", "l": "mean",
-                                                                  "s": "mean"})  # fmt: skip
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0),
+    every_k=4,
+    aggregate=optax_accum.aggregate(reduce={"m": "max", "l": "mean", "s": "mean"}),
+  )
   new, _, _ = run(tx, grads, weights, params)
   seen = [g for g, w in zip(grads, weights, strict=True) if w]
   np.testing.assert_array_equal(new["m"], np.max([g["m"] for g in seen], 0).astype(np.float32))
   for prefix in ({"m": "max", "l": "mean", "s": "mean", "x": "max"}, {"m": {"a": "max"}}):
-    bad = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce=prefix)
+    bad = optax_accum.accumulate(
+      optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(reduce=prefix)
+    )
     with pytest.raises(ValueError, match="reduce= must be a rule or a tree prefix"):
       bad.init(params)
   nested = {"a": {"m": jnp.zeros(3)}, "n": None, "s": [jnp.zeros(2)]}
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, reduce={"a": "max", "s": ["sum"]})
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=2, aggregate=optax_accum.aggregate(reduce={"a": "max", "s": ["sum"]})
+  )
   assert tx.init(nested).aggregation.rules.tolist() == [2, 1]  # 'max', 'sum'
 
 
 def test_wrong_gradient_trees_and_jitted_states_of_another_rule_get_clear_errors():
   params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, denominator=8)
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(denominator=8)
+  )
   listed = {k: [v, v] for k, v in params.items()}
   with pytest.raises(ValueError, match="The gradient tree does not match"):
     tx.update(listed, tx.init(params), params)
   # Under jit the fingerprint's values are traced; a masked inner state still tells.
-  maxed = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce={"m": "max", "l": "mean",
-                                                                     "s": "mean"})  # fmt: skip
+  maxed = optax_accum.accumulate(
+    optax.sgd(1.0),
+    every_k=4,
+    aggregate=optax_accum.aggregate(reduce={"m": "max", "l": "mean", "s": "mean"}),
+  )
   step = jax.jit(lambda s: maxed.update(params, s, params))
   with pytest.raises(ValueError, match="inner state's structure is not this configuration's"):
     step(tx.init(params))
@@ -291,13 +371,19 @@ def test_wrong_gradient_trees_and_jitted_states_of_another_rule_get_clear_errors
 def test_restoring_a_state_of_another_rule_raises():
   params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
   grads, weights = rule_data()
-  saved = optax_accum.accumulate(optax.sgd(1.0), every_k=4, denominator=8)
+  saved = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(denominator=8)
+  )
   _, state, _ = run(saved, grads[:2], weights[:2], params)  # mid-window
   restored = jax.tree.map(np.asarray, state)
-  other = optax_accum.accumulate(optax.sgd(1.0), every_k=4, denominator=16)
-  with pytest.raises(ValueError, match="denominator 8, .* the transformation has denominator 16"):
+  other = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(denominator=16)
+  )
+  with pytest.raises(
+    ValueError, match=r"denominator=8, .* the transformation has aggregate\(denominator=16"
+  ):
     optax_accum.sharding.check_compatible(other, params, restored)
-  with pytest.raises(ValueError, match="denominator 8"):
+  with pytest.raises(ValueError, match="denominator=8"):
     other.update(grads[2], restored, params)
   plain = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
   with pytest.raises(ValueError, match="aggregation"):
@@ -320,8 +406,12 @@ def test_rules_under_shard_map_equal_one_device_and_count_collectives():
   mesh = _compat.make_mesh((d,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   rules = {"m": "max", "l": "last", "s": "sum", "w": "mean"}
   params = {"m": jnp.zeros(2), "l": jnp.zeros(2), "s": jnp.zeros(2), "w": jnp.zeros(2)}
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=k, axis_name="data", reduce=rules,
-                              denominator=32)  # fmt: skip
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0),
+    every_k=k,
+    axis_name="data",
+    aggregate=optax_accum.aggregate(reduce=rules, denominator=32),
+  )
   opt_state = optax_accum.sharding.stack_windows(tx.init(params), mesh, "data")
   specs = optax_accum.sharding.window_specs(opt_state, "data")
 
@@ -375,7 +465,10 @@ def test_in_step_denominator_equals_jax_grad_of_the_sum_over_n():
            "mask": (rng.random(16) < 0.6).astype(np.float32)}  # fmt: skip
   params = {"w": jnp.array([0.1, -0.2, 0.3])}
   f = optax_accum.microbatched_value_and_grad(
-    masked_loss, 4, weight_fn=lambda mb: mb["mask"].sum(), denominator=20.0
+    masked_loss,
+    4,
+    weight_fn=lambda mb: mb["mask"].sum(),
+    aggregate=optax_accum.aggregate(denominator=20.0),
   )
   loss, grads = jax.jit(f)(params, batch)
   summed = lambda p, b: ((b["x"] @ p["w"] - b["y"]) ** 2 * b["mask"]).sum() / 20.0
@@ -383,7 +476,9 @@ def test_in_step_denominator_equals_jax_grad_of_the_sum_over_n():
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5)
   with pytest.raises(TypeError, match="not a schedule"):
-    optax_accum.microbatched_value_and_grad(masked_loss, 4, denominator=lambda n: 2.0)
+    optax_accum.microbatched_value_and_grad(
+      masked_loss, 4, aggregate=optax_accum.aggregate(denominator=lambda n: 2.0)
+    )
 
 
 def test_in_step_max_equals_the_across_step_rule():
@@ -398,9 +493,12 @@ def test_in_step_max_equals_the_across_step_rule():
 
   params = {"w": jnp.zeros(3), "amax": jnp.zeros(())}
   f = optax_accum.microbatched_value_and_grad(
-    loss, 4, weight_fn=lambda mb: mb["mask"].sum(), reduce={"w": "mean", "amax": "max"},
+    loss,
+    4,
+    weight_fn=lambda mb: mb["mask"].sum(),
     strided=False,
-  )  # fmt: skip
+    aggregate=optax_accum.aggregate(reduce={"w": "mean", "amax": "max"}),
+  )
   _, grads = jax.jit(f)(params, batch)
   rows = [batch["x"][2 * i : 2 * i + 2] for i in range(4)]
   seen = [
@@ -408,7 +506,9 @@ def test_in_step_max_equals_the_across_step_rule():
   ]
   assert float(grads["amax"]) == max(seen)
   # across-step with the same rules gives the same window value for both leaves
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=4, reduce={"w": "mean", "amax": "max"})
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(reduce={"w": "mean", "amax": "max"})
+  )
   mbs = [jax.tree.map(lambda x, i=i: x[2 * i : 2 * i + 2], batch) for i in range(4)]
   ws = [float(mb["mask"].sum()) for mb in mbs]
   new, _, _ = run(tx, [jax.grad(loss)(params, mb) for mb in mbs], ws, params)

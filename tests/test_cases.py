@@ -306,13 +306,13 @@ def test_c10_nonfinite_microbatch_does_not_poison(scaled):
   loss_and_grad = jax.jit(jax.value_and_grad(lambda w, y: 0.5 * (w - y) ** 2))
   scales = []
   for k, window in enumerate(ys):
-    scales.append(float(optax_accum.get_loss_scale(state)))
+    scales.append(float(optax_accum.metrics(state).loss_scale))
     inner_before = state.inner_state
     for j, yv in enumerate(window):
       loss, g = loss_and_grad(w, jnp.float32(yv))
       if k == 0 and j == 1:
         g = jnp.float32(jnp.nan)
-      g = g * optax_accum.get_loss_scale(state)
+      g = g * optax_accum.metrics(state).loss_scale
       u, state, w = step(g, state, w, loss)
       assert np.all(np.isfinite(u)), "no NaN in emitted updates"
       if j < 2:
@@ -337,7 +337,7 @@ def test_c10_nonfinite_microbatch_does_not_poison(scaled):
   if scaled:
     # Halved once after window 1, then two applied windows (growth interval 2000).
     assert scales == [1024.0, 512.0, 512.0]
-    assert float(optax_accum.get_loss_scale(state)) == 512.0
+    assert float(optax_accum.metrics(state).loss_scale) == 512.0
 
 
 # ----------------------------------------------------------------------------- C11

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from optax_accum import planning
+from optax_accum import _planning as planning
 from optax_accum.__main__ import main
 from optax_accum.demo import plan
 from optax_accum.demo.setup import QUICK, DemoConfig

@@ -199,7 +199,9 @@ def test_fused_optimizer_takes_a_dict_prefix_of_rules():
   (window,) = _windows(VALID[:1])
   model = MLP(nnx.Rngs(0))
   start = nnx.clone(model)
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=K, reduce={"l1": "mean", "l2": "max"})
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), every_k=K, aggregate=optax_accum.aggregate(reduce={"l1": "mean", "l2": "max"})
+  )
   opt = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
   step = nnx.jit(lambda m, o, x, y, mask: o.update(m, nnx.grad(_nnx_loss)(m, x, y, mask),
                                                     weight=mask.sum()))  # fmt: skip

@@ -52,7 +52,7 @@ def test_dropout_state_threaded_like_k_sequential_calls():
     _loss, K, weight_fn=tokens, has_aux=True, aux_mode="sum"
   )
   (loss, aux), grads = nnx.jit(f)(model, batch)
-  micro = optax_accum.split_batch(batch, K)
+  micro = optax_accum._microbatch_mesh.split_batch(batch, K)
   parts = [
     nnx.value_and_grad(_loss, has_aux=True)(ref_model, jax.tree.map(lambda x, k=k: x[k], micro))
     for k in range(K)

@@ -135,7 +135,9 @@ def _relative_error(a, b):
 )
 def test_fp8_train_state_equals_the_physical_batch(model):
   windows = _windows(3)
-  tx = optax_accum.accumulate(_inner(), every_k=K, denominator=1)  # a plain sum
+  tx = optax_accum.accumulate(
+    _inner(), every_k=K, aggregate=optax_accum.aggregate(denominator=1)
+  )  # a plain sum
   state = optax_accum.flax.TrainState.create(apply_fn=model.apply, params=_variables(model), tx=tx)
   loss = _window_loss(model)
   step = jax.jit(lambda s, mb, total: s.apply_gradients(grads=jax.grad(loss)(s.params, *mb, total)))
@@ -159,7 +161,7 @@ def test_fp8_in_step_equals_the_physical_batch():
     K,
     weight_fn=lambda mb: jnp.float32(1),
     strided=False,
-    denominator=1,
+    aggregate=optax_accum.aggregate(denominator=1),
   )
   state = train_state.TrainState.create(apply_fn=model.apply, params=_variables(model), tx=_inner())
 
@@ -274,7 +276,9 @@ def test_overwrite_with_gradient_leaf_takes_the_window_max(fused):
   # Keras' overwrite_with_gradient with plain optax: the "gradient" of `stat` is its new value.
   rng = np.random.default_rng(0)
   params = {"w": jnp.asarray(rng.normal(size=3), jnp.float32), "stat": jnp.zeros(5, jnp.float32)}
-  tx = optax_accum.accumulate(optax.sgd(0.5), every_k=3, reduce={"w": "mean", "stat": "max"})
+  tx = optax_accum.accumulate(
+    optax.sgd(0.5), every_k=3, aggregate=optax_accum.aggregate(reduce={"w": "mean", "stat": "max"})
+  )
   opt_state = tx.init(params)
 
   @jax.jit

@@ -34,7 +34,7 @@ def test_counters_loss_and_norm_of_a_hand_worked_run():
 def test_features_that_are_off_read_as_documented():
   state = optax_accum.accumulate(optax.sgd(1.0), every_k=2).init(PARAMS)
   m = optax_accum.metrics(state)
-  assert float(m.loss_scale) == 1.0 == float(optax_accum.get_loss_scale(state))
+  assert float(m.loss_scale) == 1.0 == float(optax_accum.metrics(state).loss_scale)
   assert (float(m.noise_scale), float(m.noise_trace), float(m.noise_signal)) == (0.0, 0.0, 0.0)
   assert m.weight_seen is None and m.window_weight is None  # counted with a token budget
   assert not bool(m.has_window_loss) and not bool(m.has_grad_norm)
@@ -42,10 +42,10 @@ def test_features_that_are_off_read_as_documented():
 
 def test_loss_scale_and_token_counts_when_on():
   scale = optax_accum.dynamic_loss_scale(init_scale=8.0, growth_interval=1)
-  tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=4, loss_scale=scale)
+  tx = optax_accum.accumulate(optax.sgd(1.0), optax_accum.token_budget(4), loss_scale=scale)
   state = _run(tx, [(8.0, 3, 1.0), (8.0, 2, 1.0)])  # 3 + 2 >= 4: one applied window
   m = optax_accum.metrics(state)
-  assert float(m.loss_scale) == 16.0 == float(optax_accum.get_loss_scale(state))  # grown once
+  assert float(m.loss_scale) == 16.0 == float(optax_accum.metrics(state).loss_scale)  # grown once
   assert (int(m.weight_seen), int(m.window_weight)) == (5, 5)
 
 

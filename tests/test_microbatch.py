@@ -30,7 +30,9 @@ def token_data():
 @pytest.mark.parametrize("strided", [True, False])
 def test_equals_value_and_grad_over_batch_unequal_tokens(token_data, strided):
   params, batch = token_data
-  per_mb = optax_accum.split_batch(batch, K, strided=strided)["mask"].sum(axis=(1, 2))
+  per_mb = optax_accum._microbatch_mesh.split_batch(batch, K, strided=strided)["mask"].sum(
+    axis=(1, 2)
+  )
   assert len(set(np.asarray(per_mb).tolist())) > 1  # the case where weighting matters
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(models.token_loss))(params, batch)
   f = optax_accum.microbatched_value_and_grad(
@@ -80,7 +82,7 @@ def test_has_aux_weighted_mean_and_stack(token_data):
     loss_fn, K, weight_fn=tokens, has_aux=True, aux_mode="stack"
   )
   (_, stacked), _ = jax.jit(g)(params, batch)
-  micro = optax_accum.split_batch(batch, K)
+  micro = optax_accum._microbatch_mesh.split_batch(batch, K)
   per_mb = [loss_fn(params, jax.tree.map(lambda x, k=k: x[k], micro))[1] for k in range(K)]
   chex.assert_trees_all_close(stacked, jax.tree.map(lambda *xs: jnp.stack(xs), *per_mb))
 
@@ -120,7 +122,7 @@ def test_in_step_and_across_step_give_the_same_update(token_data, inner):
     return tx.update(g, state, p, weight=w)
 
   state = tx.init(params)
-  micro = optax_accum.split_batch(batch, K)
+  micro = optax_accum._microbatch_mesh.split_batch(batch, K)
   for k in range(K):
     mb = jax.tree.map(lambda x, k=k: x[k], micro)
     updates, state = microstep(jax.grad(models.token_loss)(params, mb), state, params, tokens(mb))
@@ -143,7 +145,7 @@ def test_dropout_keys_fold_in_microbatch_index():
   chex.assert_trees_all_equal(draws, expected)
   assert len(set(np.asarray(draws).tolist())) == K  # a different key per microbatch
   # The value equals the mean over microbatches with those keys (2 rows each).
-  micro = optax_accum.split_batch(batch, K)
+  micro = optax_accum._microbatch_mesh.split_batch(batch, K)
   mbs = [jax.tree.map(lambda x, k=k: x[k], micro) for k in range(K)]
   vg = jax.jit(jax.value_and_grad(models.mlp_loss))
   per = [vg(params, mb, key=jax.random.fold_in(key, k))
@@ -178,7 +180,7 @@ def test_loss_scale_gives_the_scaled_gradient_for_accumulate_to_divide_out(token
 
   @jax.jit
   def step(p, state, b):
-    s = optax_accum.get_loss_scale(state)
+    s = optax_accum.metrics(state).loss_scale
     mvg = optax_accum.microbatched_value_and_grad(
       models.token_loss, K, weight_fn=tokens, loss_scale=s
     )
@@ -213,7 +215,7 @@ def test_nnx_state_threaded_in_order():
   (loss, new_rest), grads = f(params, batch, rest)
 
   # Reference: a Python loop, each microbatch sees the state the previous one left.
-  micro = optax_accum.split_batch(batch, K)
+  micro = optax_accum._microbatch_mesh.split_batch(batch, K)
   ref_step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   state, losses, gs = rest, [], []
   for k in range(K):
@@ -260,7 +262,7 @@ def test_bfloat16_params_float32_carry():
   chex.assert_trees_all_equal_dtypes(grads, params)
   assert loss.dtype == jnp.float32
   # float32 sum of the bf16 microbatch gradients, rounded once at the end.
-  micro = optax_accum.split_batch(batch, K)
+  micro = optax_accum._microbatch_mesh.split_batch(batch, K)
   gs = [jax.grad(models.linear_regression_loss)(params, jax.tree.map(lambda x, k=k: x[k], micro))
         for k in range(K)]  # fmt: skip
   mean32 = jax.tree.map(lambda *g: sum(x.astype(jnp.float32) for x in g) / K, *gs)
@@ -337,7 +339,7 @@ def test_loss_scale_policy_is_refused_with_the_value_to_pass_instead():
   f = optax_accum.microbatched_value_and_grad(
     lambda p, b: (b * p).mean(), 2, loss_scale=optax_accum.dynamic_loss_scale()
   )
-  with pytest.raises(TypeError, match=r"get_loss_scale\(opt_state\)"):
+  with pytest.raises(TypeError, match=r"metrics\(opt_state\).loss_scale"):
     f(1.0, jnp.ones(4))
 
 

@@ -62,7 +62,7 @@ def test_strided_split_keeps_rows_on_their_device():
   mesh = _compat.make_mesh((8,), ("data",))
   rows = np.arange(32)
   x = jax.device_put(jnp.asarray(rows), NamedSharding(mesh, P("data")))
-  y = jax.jit(lambda x: optax_accum.split_batch(x, 2))(x)
+  y = jax.jit(lambda x: optax_accum._microbatch_mesh.split_batch(x, 2))(x)
   # Microbatch k is rows k, k+2, ...
   np.testing.assert_array_equal(np.asarray(y), np.stack([rows[0::2], rows[1::2]]))
   for shard in y.addressable_shards:  # each device holds only rows it held before
@@ -186,7 +186,7 @@ def test_jit_axis_name_aux_mean_and_stack_over_lanes():
     (_, stacked), _ = jax.jit(make("stack"))(p_mesh, b_mesh)
   chex.assert_trees_all_close(mean["loss"], mlp_loss(params, batch), rtol=1e-5)
   # Per microbatch: the token-weighted mean over its lanes = the loss of the whole microbatch.
-  micro = optax_accum.split_batch(batch, 2)
+  micro = optax_accum._microbatch_mesh.split_batch(batch, 2)
   per_mb = [mlp_loss(params, jax.tree.map(lambda x, k=k: x[k], micro)) for k in range(2)]
   chex.assert_trees_all_close(stacked["loss"], jnp.stack(per_mb), rtol=1e-5)
 

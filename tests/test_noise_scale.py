@@ -115,7 +115,7 @@ def test_scalar_model_unequal_sizes_known_answer_and_formulas():
   """loss 0.5 (w - y)^2 at w = 0, y ~ N(mu, sigma^2): G = -mu, tr Sigma = sigma^2."""
   mu, sigma, k, windows, decay = 1.0, 2.0, 4, 400, 0.99
   y, mask, n = scalar_data(windows, k, seed=0, mu=mu, sigma=sigma)
-  tx = optax_accum.accumulate(optax.sgd(1.0), k, noise_scale_decay=decay)
+  tx = optax_accum.accumulate(optax.sgd(1.0), k, observe=(optax_accum.noise_scale(decay),))
   params = {"w": jnp.zeros(())}
   state, _ = run_windows(tx, params, masked_mean_loss, y, mask)
   got = noise_metrics(state)
@@ -141,7 +141,7 @@ def test_equal_sizes_reproduce_mccandlish_formulas():
   b_small, b_big = n, k * n
   signal = (b_big * big - b_small * small) / (b_big - b_small)
   trace = (small - big) / (1 / b_small - 1 / b_big)
-  tx = optax_accum.accumulate(optax.sgd(0.0), k, noise_scale_decay=0.0)
+  tx = optax_accum.accumulate(optax.sgd(0.0), k, observe=(optax_accum.noise_scale(0.0),))
   params = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), grads[0])
   step = make_step(tx)
   state = tx.init(params)
@@ -165,7 +165,7 @@ def test_linear_regression_analytic_covariance():
   mask = np.arange(max_n) < n.reshape(-1, 1)
   theta = theta_star + delta
   params = {"a": jnp.asarray(theta[:2], jnp.float32), "b": jnp.asarray(theta[2:], jnp.float32)}
-  tx = optax_accum.accumulate(optax.sgd(1.0), k, noise_scale_decay=decay)
+  tx = optax_accum.accumulate(optax.sgd(1.0), k, observe=(optax_accum.noise_scale(decay),))
   f32 = lambda a: a.astype(np.float32)
   state, _ = run_windows(tx, params, regression_loss, f32(x), f32(y), mask)
   got = noise_metrics(state)
@@ -186,7 +186,7 @@ def test_linear_regression_analytic_covariance():
 
 def test_short_skipped_and_empty_windows_leave_the_ema_and_flush_is_no_sample():
   decay = 0.5
-  tx = optax_accum.accumulate(optax.sgd(0.0), 3, noise_scale_decay=decay)
+  tx = optax_accum.accumulate(optax.sgd(0.0), 3, observe=(optax_accum.noise_scale(decay),))
   params = {"w": jnp.zeros(2)}
   step = make_step(tx)
   vec = lambda *v: {"w": jnp.array(v, jnp.float32)}
@@ -194,7 +194,7 @@ def test_short_skipped_and_empty_windows_leave_the_ema_and_flush_is_no_sample():
   np.testing.assert_array_equal(noise_metrics(state), 0.0)  # no estimate yet: zeros
   # A window of one microbatch (flushed): K = 1, no estimate.
   _, state, _ = call(step, vec(1.0, 2.0), state, params, weight=2.0, flush=True)
-  assert int(state.num_updates) == 1 and float(state.noise_scale.ema_weight) == 0.0
+  assert int(state.num_updates) == 1 and float(state.observers[0].ema_weight) == 0.0
   # A full window: [w=2 g1, w=0 NaN (all padding), w=3 g2]: two samples.
   _, state, _ = call(step, vec(1.0, 2.0), state, params, weight=2.0)
   _, state, _ = call(step, vec(np.nan, np.nan), state, params, weight=0.0)
@@ -222,7 +222,7 @@ def test_short_skipped_and_empty_windows_leave_the_ema_and_flush_is_no_sample():
 
 def test_negative_signal_estimate_reads_as_zero_noise_scale():
   # n = (1, 1), g = (1, -1): G_B = 0, so S = 2 and G2 = -1 < 0: B_simple is not defined.
-  tx = optax_accum.accumulate(optax.sgd(0.0), 2, noise_scale_decay=0.0)
+  tx = optax_accum.accumulate(optax.sgd(0.0), 2, observe=(optax_accum.noise_scale(0.0),))
   params = {"w": jnp.zeros(())}
   step = make_step(tx)
   state = tx.init(params)
@@ -239,7 +239,9 @@ def test_loss_scale_divides_out_on_the_fused_path():
   results = []
   for scale, fused in ((None, False), (2.0**10, True)):
     loss_scale = None if scale is None else optax_accum.static_loss_scale(scale)
-    tx = optax_accum.accumulate(optax.sgd(0.0), 4, loss_scale=loss_scale, noise_scale_decay=0.0)
+    tx = optax_accum.accumulate(
+      optax.sgd(0.0), 4, loss_scale=loss_scale, observe=(optax_accum.noise_scale(0.0),)
+    )
 
     @jax.jit
     def step(g, state, w, tx=tx, fused=fused):
@@ -257,7 +259,7 @@ def test_loss_scale_divides_out_on_the_fused_path():
 
 
 def test_off_computes_nothing(monkeypatch):
-  """noise_scale_decay=None never calls the estimator; the state has no noise sub-states."""
+  """Without an observer the estimator is never called; the state has no noise sub-states."""
 
   def boom(*_, **__):
     raise AssertionError("the noise scale is off")
@@ -271,20 +273,20 @@ def test_off_computes_nothing(monkeypatch):
     _, state = jax.jit(tx.update)({"w": jnp.full(2, v)}, state, params)
   assert int(state.num_updates) == 2
   # Off, the window's noise sums and the EMAs are not in the state at all.
-  assert state.window.noise == optax.EmptyState() and state.noise_scale == optax.EmptyState()
+  assert state.window.observers == () and state.observers == ()
   np.testing.assert_array_equal(noise_metrics(state), 0.0)
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, 1.5, float("nan")])
 def test_bad_decay_values(bad):
-  with pytest.raises(ValueError, match=r"noise_scale_decay must be in \[0, 1\)"):
-    optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=bad)
+  with pytest.raises(ValueError, match=r"noise_scale: decay must be in \[0, 1\)"):
+    optax_accum.accumulate(optax.sgd(0.1), 2, observe=(optax_accum.noise_scale(bad),))
 
 
 @pytest.mark.parametrize("bad", [True, "0.9", [0.9]])
 def test_bad_decay_types(bad):
-  with pytest.raises(TypeError, match="noise_scale_decay must be a number"):
-    optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=bad)
+  with pytest.raises(TypeError, match="noise_scale: decay must be a number"):
+    optax_accum.accumulate(optax.sgd(0.1), 2, observe=(optax_accum.noise_scale(bad),))
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
@@ -315,7 +317,9 @@ def test_shard_map_equals_single_device_on_the_same_microbatches():
   mask = (np.arange(tokens) < np.array(COUNTS)[..., None]).reshape(len(COUNTS), -1)
   params = {"w": jnp.zeros(())}
 
-  tx = optax_accum.accumulate(optax.sgd(0.0), EVERY_K, axis_name=AXIS, noise_scale_decay=decay)
+  tx = optax_accum.accumulate(
+    optax.sgd(0.0), EVERY_K, axis_name=AXIS, observe=(optax_accum.noise_scale(decay),)
+  )
   mesh = _compat.make_mesh((N_DEV,), (AXIS,))
   state = optax_accum.sharding.stack_windows(tx.init(params), mesh, AXIS)
   specs = optax_accum.sharding.window_specs(state, AXIS)
@@ -341,11 +345,15 @@ def test_shard_map_equals_single_device_on_the_same_microbatches():
   assert int(optax_accum.metrics(state).num_updates) == len(COUNTS) // EVERY_K
 
   # The same microbatches, one device's at a time, through a single-device accumulate.
-  single = optax_accum.accumulate(optax.sgd(0.0), EVERY_K * N_DEV, noise_scale_decay=decay)
+  single = optax_accum.accumulate(
+    optax.sgd(0.0), EVERY_K * N_DEV, observe=(optax_accum.noise_scale(decay),)
+  )
   ys, masks = y.reshape(-1, tokens), mask.reshape(-1, tokens)
   ref, _ = run_windows(single, params, masked_mean_loss, ys, masks)
   np.testing.assert_allclose(noise_metrics(state), noise_metrics(ref), rtol=1e-5)
-  assert float(state.noise_scale.ema_weight) == pytest.approx(1 - decay ** (len(COUNTS) // EVERY_K))
+  assert float(state.observers[0].ema_weight) == pytest.approx(
+    1 - decay ** (len(COUNTS) // EVERY_K)
+  )
   assert_state_finite(state)
 
 

@@ -87,8 +87,9 @@ def test_all_finite():
   assert bool(f({"a": None}))
 
 
-def _one_window(grads_list, weights, **kwargs):
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=len(grads_list), **kwargs)
+def _one_window(grads_list, weights, inner=None, **kwargs):
+  inner = optax.sgd(1.0) if inner is None else inner
+  tx = optax_accum.accumulate(inner, every_k=len(grads_list), **kwargs)
   params = {"a": jnp.zeros(4), "b": jnp.zeros((2, 3))}
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -155,7 +156,10 @@ def test_mean_that_overflows_only_after_division_is_skipped():
 def test_clip_matches_optax(clip):
   g1 = _tree([1.0, -2.0, 3.0, 0.5], np.arange(6.0).reshape(2, 3))
   g2 = _tree([0.25, 2.0, -1.0, 4.0], -np.ones((2, 3)))
-  u, _ = _one_window([g1, g2], [1, 3], clip_norm=clip)
+  # The clip inside the inner chain clips the window's mean, not each microbatch.
+  u, _ = _one_window(
+    [g1, g2], [1, 3], inner=optax.chain(optax.clip_by_global_norm(clip), optax.sgd(1.0))
+  )
   mean = jax.tree.map(lambda a, b: (a + 3 * b) / 4, g1, g2)
   ref, _ = optax.clip_by_global_norm(clip).update(mean, optax.EmptyState())
   chex.assert_trees_all_close(u, jax.tree.map(lambda x: -x, ref), rtol=1e-6)
@@ -176,15 +180,16 @@ def test_norm_of_tiny_sums_does_not_underflow(scale):
 
 
 def test_tiny_weights_are_clipped_in_accumulate():
-  """Issue 11, item 6: weight=1e-25 with clip_norm=0.5: grad_norm was 0 and nothing clipped.
+  """Issue 11, item 6: weight=1e-25 with a 0.5 clip: grad_norm was 0 and nothing clipped.
 
   With fp16 params an Inf was applied. Expected by hand: mean (3, 4), norm 5, clipped to
   0.5 * (0.6, 0.8) = (0.3, 0.4); an SGD(1) step is its negative.
   """
   for dtype in (jnp.float32, jnp.float16):
-    tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1, clip_norm=0.5)
+    tx = optax_accum.accumulate(optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1.0)), 2)
     params = {"w": jnp.zeros(2, dtype)}
-    u, state = tx.update({"w": jnp.array([3.0, 4.0], dtype)}, tx.init(params), params, weight=1e-25)
+    grads = {"w": jnp.array([3.0, 4.0], dtype)}
+    u, state = tx.update(grads, tx.init(params), params, weight=1e-25, flush=True)
     np.testing.assert_allclose(np.asarray(u["w"], np.float64), [-0.3, -0.4], rtol=1e-3)
     np.testing.assert_allclose(state.grad_norm, 5.0, rtol=1e-5)
     assert bool(state.has_grad_norm) and int(state.num_updates) == 1

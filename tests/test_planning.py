@@ -1,4 +1,4 @@
-"""Tests of optax_accum.planning: the plan equals an exhaustive scan of the candidates."""
+"""Tests of optax_accum._planning: the plan equals an exhaustive scan of the candidates."""
 
 import math
 
@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optax_accum
-from optax_accum import planning
-from optax_accum.planning import MicrobatchPlan, microbatches_for, parse_bytes, plan_microbatch
+from optax_accum import _planning as planning
+from optax_accum._planning import MicrobatchPlan, parse_bytes, plan_microbatch
 
 SIZES = (3, 32, 32, 1)  # the MLP's widths
 
@@ -241,25 +241,25 @@ def _plan(size):
 
 
 def test_microbatches_for():
-  split = microbatches_for(_plan(48), 256)
+  split = _plan(48).microbatches_for(256)
   assert (split.microbatch_size, split.num_microbatches, split.every_k) == (32, 8, 8)
-  assert microbatches_for(_plan(1000), 256) == (256, 1)
-  assert microbatches_for(_plan(50), 90) == (45, 2)
-  assert microbatches_for(_plan(50), 90, multiple_of=6) == (30, 3)
-  assert microbatches_for(_plan(7), 97) == (1, 97)  # a prime: microbatches of one row
+  assert _plan(1000).microbatches_for(256) == (256, 1)
+  assert _plan(50).microbatches_for(90) == (45, 2)
+  assert _plan(50).microbatches_for(90, multiple_of=6) == (30, 3)
+  assert _plan(7).microbatches_for(97) == (1, 97)  # a prime: microbatches of one row
   with pytest.raises(ValueError, match="multiple_of=8"):
-    microbatches_for(_plan(48), 100, multiple_of=8)
+    _plan(48).microbatches_for(100, multiple_of=8)
   with pytest.raises(ValueError, match="global_batch must be >= 1"):
-    microbatches_for(_plan(48), 0)
+    _plan(48).microbatches_for(0)
   with pytest.raises(TypeError, match="multiple_of must be a positive int"):
-    microbatches_for(_plan(48), 64, multiple_of=2.0)
+    _plan(48).microbatches_for(64, multiple_of=2.0)
 
 
 def test_split_keeps_the_physical_batch_gradient():
   # In-step with the split's num_microbatches gives the gradient of the whole batch.
   params = models.mlp_params(SIZES)
   batch = models.linear_regression_data(90)
-  split = microbatches_for(_plan(50), 90)
+  split = _plan(50).microbatches_for(90)
   grad = optax_accum.microbatched_value_and_grad(models.mlp_loss, split.num_microbatches)
   _, got = jax.jit(grad)(params, batch)
   want = jax.grad(models.mlp_loss)(params, batch)

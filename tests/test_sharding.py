@@ -122,7 +122,8 @@ def make_train_step(tx):
 
 
 def make_tx():
-  return optax_accum.accumulate(optax.adamw(1e-2, weight_decay=0.1), every_k=2, clip_norm=1.0)
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+  return optax_accum.accumulate(inner, every_k=2)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,7 @@ def test_sharded_run_equals_single_device_run(mode, layout, single_device_run):
   for batch in batches:
     params, opt_state = step(params, opt_state, jax.device_put(batch, batch_sharding))
   assert_placed_like(opt_state.window.grad_sum, params)
-  assert_placed_like(opt_state.inner_state[0].mu, params)
+  assert_placed_like(opt_state.inner_state[1][0].mu, params)  # chain(clip, adamw)
   assert int(opt_state.num_updates) == 2
   expected = single_device_run[layout]
   chex.assert_trees_all_close((params, opt_state), expected, rtol=1e-5, atol=1e-6)

@@ -52,7 +52,7 @@ def test_helpers_find_the_state_through_wrappers(wrapper):
   assert float(m.pending_weight) == 7.0 and int(m.num_updates) == 0
   assert not bool(m.updated) and not bool(m.has_grad_norm) and not bool(m.has_window_loss)
   assert float(m.grad_norm) == 0.0 and float(m.window_loss) == 0.0  # "no value yet": flags
-  assert float(optax_accum.get_loss_scale(state)) == 128.0
+  assert float(optax_accum.metrics(state).loss_scale) == 128.0
   assert isinstance(find_state(state), optax_accum.AccumulationState)
   # discard empties only the open window.
   before = find_state(state)
@@ -103,7 +103,7 @@ def test_helpers_through_nnx_optimizer(wrapper):
   m = optax_accum.metrics(opt.opt_state)
   assert int(m.mini_step) == 2 and float(m.pending_weight) == 7.0
   assert isinstance(m.mini_step, jax.Array)  # unwrapped from OptArray
-  assert float(optax_accum.get_loss_scale(opt.opt_state)) == 128.0
+  assert float(optax_accum.metrics(opt.opt_state).loss_scale) == 128.0
   s = find_state(opt.opt_state)
   assert float(s.window.weight_sum) == 7.0
   for leaf in jax.tree.leaves(s):
@@ -126,7 +126,7 @@ def test_no_or_two_accumulation_states_raise():
     optax_accum.metrics(optax.adam(0.1).init(PARAMS))
   two = optax.chain(_acc(), _acc()).init(PARAMS)
   with pytest.raises(ValueError, match="Found 2 .*Pass the state of a transformation"):
-    optax_accum.get_loss_scale(two)
+    _ = optax_accum.metrics(two).loss_scale
   with pytest.raises(ValueError, match="expected exactly one"):
     find_state(two)
   # discard resets every state found, without complaint.

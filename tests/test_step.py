@@ -25,6 +25,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 INF, NAN = float("inf"), float("nan")
 
 
+def _scaled_value_and_grad(loss_fn):
+  """``(loss, grad of loss * scale)`` with the scale in force read from the state (the loss in
+  float32), as a gradient helper hands them to ``accumulate(loss_scale=...)``."""
+
+  def scaled(params, scale, *args):
+    loss = jnp.asarray(loss_fn(params, *args)).astype(jnp.float32)
+    return loss * scale, loss
+
+  def value_and_grad(state, params, *args):
+    scale = optax_accum.metrics(state).loss_scale
+    (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params, scale, *args)
+    return loss, grads
+
+  return value_and_grad
+
+
 def _jit_update(tx):
   """``tx.update(grads, state, params, weight=weight)`` under jit."""
 
@@ -37,7 +53,7 @@ def _jit_update(tx):
 
 def _scaled(grads, state):
   """What ``jax.grad(loss * scale)`` would be for a model whose loss gradient is ``grads``."""
-  scale = optax_accum.get_loss_scale(state)
+  scale = optax_accum.metrics(state).loss_scale
   return jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) * scale, grads)
 
 
@@ -65,9 +81,9 @@ def test_c8_loss_scale_changes_only_at_boundaries():
   windows = [[1.0, 3.0], [2.0, 2.0], [INF, 1.0], [4.0, 0.0]]
   in_force = []
   for window in windows:
-    in_force.append(float(optax_accum.get_loss_scale(state)))
+    in_force.append(float(optax_accum.metrics(state).loss_scale))
     for g in window:
-      assert float(optax_accum.get_loss_scale(state)) == in_force[-1]  # not inside a window
+      assert float(optax_accum.metrics(state).loss_scale) == in_force[-1]  # not inside a window
       updates, state = step(_scaled(g, state), state, params, 1.0)
       params = optax.apply_updates(params, updates)
   m = optax_accum.metrics(state)
@@ -84,7 +100,8 @@ def test_c8_loss_scale_changes_only_at_boundaries():
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "dynamic-scale"])
 def test_c9_clip_after_accumulate(scaled):
   rule = optax_accum.dynamic_loss_scale(init_scale=2.0**10) if scaled else None
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, clip_norm=1.0, loss_scale=rule)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+  tx = optax_accum.accumulate(clipped, every_k=2, loss_scale=rule)
   step = _jit_update(tx)
   params = jnp.zeros(2, jnp.float32)
   state = tx.init(params)
@@ -135,7 +152,7 @@ def _concat(batches):
 
 def _run_m2(tx, batches, scaled):
   """Runs ``tx`` over ``batches``; returns params, every emitted update and the state."""
-  grad_fn = optax_accum.scaled_value_and_grad(_m2_loss) if scaled else None
+  grad_fn = _scaled_value_and_grad(_m2_loss) if scaled else None
 
   @jax.jit
   def step(params, state, batch):
@@ -186,15 +203,16 @@ def test_power_of_two_scale_is_bitwise_invisible(rule):
     assert float(state.loss_scale.scale) == 2.0**15  # grew once per window: the scale did move
 
 
-def test_clip_norm_equals_clip_in_inner_chain_and_records_preclip_norm():
+def test_deprecated_clip_norm_is_the_clip_in_the_inner_chain_and_records_preclip_norm():
   batches = _m2_data(num_windows=2, every_k=3, seed=1)
   rule = optax_accum.dynamic_loss_scale(init_scale=2.0**8, growth_interval=1)
-  outer = optax_accum.accumulate(optax.sgd(0.1), 3, clip_norm=0.5, loss_scale=rule)
+  with pytest.warns(DeprecationWarning, match=r"optax.clip_by_global_norm\(c\), inner"):
+    outer = optax_accum.accumulate(optax.sgd(0.1), 3, clip_norm=0.5, loss_scale=rule)
   inner_clip = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
   chained = optax_accum.accumulate(inner_clip, 3, loss_scale=rule)
   p1, u1, s1 = _run_m2(outer, batches, True)
   p2, u2, s2 = _run_m2(chained, batches, True)
-  chex.assert_trees_all_close(p1, p2, rtol=1e-6, atol=0)
+  chex.assert_trees_all_close(p1, p2, rtol=1e-6, atol=0)  # the same program, compiled twice
   chex.assert_trees_all_close(u1, u2, rtol=1e-6, atol=0)
 
   # The recorded norm is that of the unscaled, unclipped mean of the last window, computed
@@ -277,7 +295,7 @@ def test_overflow_anywhere_in_window_skips_it_and_halves_once(position, bad):
   window2 = [[2.0, 4.0], [-6.0, 1.0], [1.0, 1.0]]
   for g in window1:
     updates, state = _overflow_step(_scaled({"w": jnp.asarray(g)}, state), state, params)
-    assert float(optax_accum.get_loss_scale(state)) in (2.0**10, 2.0**9)
+    assert float(optax_accum.metrics(state).loss_scale) in (2.0**10, 2.0**9)
     chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
   chex.assert_trees_all_equal(state.inner_state, init_inner)  # bitwise untouched
   assert (int(state.num_skipped), int(state.num_updates)) == (1, 0)
@@ -329,7 +347,7 @@ def test_dynamic_rule_through_accumulate_hand_table():
   ]
   applied = skipped = 0
   for finite, want_scale, want_streak in table:
-    assert float(optax_accum.get_loss_scale(state)) == want_scale
+    assert float(optax_accum.metrics(state).loss_scale) == want_scale
     for g in [1.0, 3.0] if finite else [1.0, NAN]:
       updates, state = step(_scaled(g, state), state, params, 1.0)
     applied += finite
@@ -493,7 +511,7 @@ def _fp16_data():
 def test_fp16_compute_small_gradients_need_the_scale(scaled):
   rule = optax_accum.dynamic_loss_scale(growth_interval=1) if scaled else None
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, loss_scale=rule)
-  grad_fn = optax_accum.scaled_value_and_grad(_fp16_loss)
+  grad_fn = _scaled_value_and_grad(_fp16_loss)
 
   @jax.jit
   def step(params, state, batch):
@@ -533,7 +551,7 @@ def test_fp16_loss_at_scale_2_16_overflows_once_then_backs_off():
   tx = optax_accum.accumulate(
     optax.sgd(1.0), every_k=1, loss_scale=optax_accum.dynamic_loss_scale()
   )
-  grad_fn = optax_accum.scaled_value_and_grad(loss16)
+  grad_fn = _scaled_value_and_grad(loss16)
 
   @jax.jit
   def step(params, state):
@@ -552,71 +570,25 @@ def test_fp16_loss_at_scale_2_16_overflows_once_then_backs_off():
 
 
 # ---------------------------------------------------------------------------------------------
-# scaled_value_and_grad, get_loss_scale and metrics.
-
-
-def test_scaled_value_and_grad_returns_unscaled_loss_and_scaled_grads():
-  batch = _m2_data(num_windows=1, every_k=1, seed=4)[0]
-  tx = optax_accum.accumulate(
-    optax.sgd(1.0), every_k=2, loss_scale=optax_accum.static_loss_scale(2.0**5)
-  )
-  params = _m2_params()
-  state = tx.init(params)
-  loss, grads = jax.jit(optax_accum.scaled_value_and_grad(_m2_loss))(state, params, batch)
-  ref_loss, ref_grads = jax.value_and_grad(_m2_loss)(params, batch)
-  assert loss.dtype == jnp.float32
-  chex.assert_trees_all_equal(loss, ref_loss)
-  chex.assert_trees_all_equal(grads, jax.tree.map(lambda g: g * 32.0, ref_grads))
-
-
-def test_scaled_value_and_grad_has_aux():
-  def loss_fn(params, x):
-    pred = x * params
-    return jnp.sum(pred**2), {"pred": pred}
-
-  tx = optax_accum.accumulate(
-    optax.sgd(1.0), every_k=2, loss_scale=optax_accum.static_loss_scale(4.0)
-  )
-  params = jnp.asarray([1.0, 2.0])
-  x = jnp.asarray([3.0, -1.0])
-  fn = jax.jit(optax_accum.scaled_value_and_grad(loss_fn, has_aux=True))
-  (loss, aux), grads = fn(tx.init(params), params, x)
-  assert float(loss) == 9.0 + 4.0
-  np.testing.assert_array_equal(aux["pred"], [3.0, -2.0])
-  np.testing.assert_array_equal(grads, 4.0 * 2.0 * x * x * params)  # 4 * d/dp sum((x p)^2)
-
-
-def test_scaled_value_and_grad_casts_fp16_loss_before_scaling():
-  def loss16(params):
-    p = params.astype(jnp.float16)
-    return jnp.float16(100.0) + jnp.float16(0.5) * jnp.sum(p * p)  # 100.25 in fp16
-
-  params = jnp.asarray([0.5, 0.5], jnp.float32)
-  fn = jax.jit(optax_accum.scaled_value_and_grad(loss16))
-  for log2 in (15, 16):
-    tx = optax_accum.accumulate(
-      optax.sgd(1.0), 1, loss_scale=optax_accum.static_loss_scale(2.0**log2)
-    )
-    loss, grads = fn(tx.init(params), params)
-    # loss * scale = 3.3e6 / 6.6e6 would be inf in fp16; the returned loss is the unscaled value.
-    assert loss.dtype == jnp.float32 and float(loss) == 100.25
-    if log2 == 15:
-      np.testing.assert_array_equal(grads, [2.0**14, 2.0**14])  # 2**15 * p, finite
+# metrics inside a chain.
 
 
 def test_get_loss_scale_and_metrics_inside_a_chain():
   rule = optax_accum.dynamic_loss_scale(init_scale=2.0**10, growth_interval=1000)
   tx = optax.chain(
-    optax.identity(), optax_accum.accumulate(optax.sgd(1.0), 2, clip_norm=1.0, loss_scale=rule)
+    optax.identity(),
+    optax_accum.accumulate(
+      optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), 2, loss_scale=rule
+    ),
   )
   params = {"w": jnp.zeros(2, jnp.float32)}
   state = tx.init(params)
   step = jax.jit(tx.update)
-  assert float(optax_accum.get_loss_scale(state)) == 1024.0
+  assert float(optax_accum.metrics(state).loss_scale) == 1024.0
   for g in ([1.0, 1.0], [INF, 0.0]):
     _, state = step(_scaled({"w": jnp.asarray(g)}, state), state, params)
   m = optax_accum.metrics(state)
-  assert float(optax_accum.get_loss_scale(state)) == 512.0 == float(m.loss_scale)
+  assert float(optax_accum.metrics(state).loss_scale) == 512.0 == float(m.loss_scale)
   assert int(m.num_skipped) == 1 and not bool(m.has_grad_norm)  # no NaN/Inf kept (item 1)
   for g in ([3.0, 0.0], [0.0, 4.0]):
     updates, state = step(_scaled({"w": jnp.asarray(g)}, state), state, params)
@@ -647,20 +619,23 @@ def test_fp16_grads_whose_sum_overflows_fp16_accumulate_in_float32():
 
 
 def test_norm_and_clip_are_computed_before_the_cast_to_fp16():
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1, clip_norm=1.0)
-  params = jnp.zeros(2, jnp.float16)
+  """fp16 gradients, float32 master params: the window's mean reaches the inner chain in
+  float32, so optax's clip sees the norm 84853 (an fp16 norm would be inf and clip to 0)."""
+  tx = optax_accum.accumulate(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), 1)
+  params = jnp.zeros(2, jnp.float32)
   state = tx.init(params)
   grads = jnp.asarray([60000.0, 60000.0], jnp.float16)  # norm 84853 > fp16 max 65504
   updates, state = _jit_update(tx)(grads, state, params, 1.0)
   np.testing.assert_allclose(state.grad_norm, 60000.0 * math.sqrt(2.0), rtol=1e-6)
-  assert updates.dtype == jnp.float16
+  assert updates.dtype == jnp.float16  # plain inner's dtype rule: like the gradients
   np.testing.assert_array_equal(updates, np.full(2, -1 / math.sqrt(2.0), np.float16))
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_updates_have_param_dtype_and_accumulator_is_float32(param_dtype):
   rule = optax_accum.dynamic_loss_scale(init_scale=2.0**4)
-  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2, loss_scale=rule, clip_norm=10.0)
+  clipped = optax.chain(optax.clip_by_global_norm(10.0), optax.sgd(1.0))
+  tx = optax_accum.accumulate(clipped, every_k=2, loss_scale=rule)
   params = {"a": jnp.zeros(2, param_dtype), "b": jnp.zeros((), jnp.float32)}
   state = tx.init(params)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.window.grad_sum))
@@ -700,7 +675,9 @@ def test_strict_dtype_promotion(dtype, clip_inside):
     inner = optax.chain(optax.clip_by_global_norm(4.0), inner)
   rule = optax_accum.dynamic_loss_scale(init_scale=2.0**4, growth_interval=1)
   with jax.numpy_dtype_promotion("strict"):
-    tx = optax_accum.accumulate(inner, every_k=2, loss_scale=rule, clip_norm=2.0)
+    tx = optax_accum.accumulate(
+      optax.chain(optax.clip_by_global_norm(2.0), inner), every_k=2, loss_scale=rule
+    )
     params = {"w": jnp.ones(3, dtype), "b": jnp.zeros((), dtype)}
     state = tx.init(params)
     step = jax.jit(lambda g, s, p: tx.update(g, s, p, weight=jnp.float32(3.0), value=1.5))
@@ -828,7 +805,7 @@ def test_fp16_params_a_finite_float32_update_that_overflows_them_is_skipped(fuse
     new = optax.apply_updates(params, updates)
   np.testing.assert_array_equal(new["w"], params["w"])
   assert int(optax_accum.metrics(state).num_skipped) == 1
-  assert float(optax_accum.get_loss_scale(state)) == 4.0 * 0.5  # the default backoff_factor
+  assert float(optax_accum.metrics(state).loss_scale) == 4.0 * 0.5  # the default backoff_factor
   # A representable one (1e4) is applied: params -1e4 in fp16.
   small = {"w": jnp.full(2, 2.0 * 1e4, jnp.float32)}  # scaled by the new scale, 2
   updates, state = tx.update(small, state, params)

@@ -1,4 +1,4 @@
-"""Token-budget windows and ramps (optax_accum/_window_weight.py, _weight_count.py; issue 15).
+"""Token-budget windows and ramps (optax_accum/_token_budget.py, _weight_count.py; issue 15).
 
 Every expectation is computed another way: the window boundaries by a Python
 loop over the token counts, each applied update by one ``jax.grad`` over the
@@ -72,7 +72,8 @@ def expected_windows(counts, budget, cap=None):
 def _run(budget, cap, of=None):
   """Jitted: every microbatch through accumulate(sgd(1)) at fixed params, one compilation."""
   fn = budget if not isinstance(budget, tuple) else _RAMPS[budget]
-  tx = optax_accum.accumulate(optax.sgd(1.0), cap, window_weight=fn, window_weight_of=of)
+  budget = optax_accum.token_budget(fn, of=of, max_microbatches=cap)
+  tx = optax_accum.accumulate(optax.sgd(1.0), budget)
 
   @jax.jit
   def run(data):
@@ -158,8 +159,9 @@ def test_ramp_of_weight_seen_changes_the_window_sizes_as_scheduled():
 
 def test_sqrt_scaled_schedule_follows_the_ramp_through_the_inner_count():
   ramp = lambda n: jnp.where(n < 2, 4, 16)
-  lr = optax_accum.sqrt_scaled_schedule(optax.linear_schedule(1.0, 0.5, 4), ramp, 4)
-  tx = optax_accum.accumulate(optax.sgd(lr), window_weight=ramp, window_weight_of="num_updates")
+  budget = optax_accum.token_budget(ramp, of="num_updates")
+  lr = budget.sqrt_scaled_schedule(optax.linear_schedule(1.0, 0.5, 4), 4)
+  tx = optax_accum.accumulate(optax.sgd(lr), budget)
   params = {"w": jnp.zeros(())}
   state = tx.init(params)
   step = jax.jit(lambda s: tx.update({"w": jnp.ones(())}, s, params, weight=2))
@@ -176,7 +178,9 @@ def test_sqrt_scaled_schedule_follows_the_ramp_through_the_inner_count():
 
 
 def test_weight_seen_is_exact_past_2_24_and_2_31_and_near_1e15():
-  tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=1)  # every microbatch closes
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), optax_accum.token_budget(1)
+  )  # every microbatch closes
   params = {"w": jnp.zeros(())}
   step = jax.jit(lambda s, w: tx.update({"w": jnp.ones(())}, s, params, weight=w)[1])
   weights = [2**24, 1, 1, 2**31, 3, 2**32 - 256, 5, 2**49, 2**49, 2**48, 7, 0, 2**46 + 2**23]
@@ -192,7 +196,7 @@ def test_weight_seen_is_exact_past_2_24_and_2_31_and_near_1e15():
 
 def test_a_window_past_2_24_tokens_is_counted_exactly():
   """float32's weight_sum rounds 2**24 + 1; the window's exact parts do not."""
-  tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=2**26)
+  tx = optax_accum.accumulate(optax.sgd(1.0), optax_accum.token_budget(2**26))
   params = {"w": jnp.zeros(())}
   step = jax.jit(lambda s, w: tx.update({"w": jnp.ones(())}, s, params, weight=w)[1])
   state = tx.init(params)
@@ -205,7 +209,7 @@ def test_a_window_past_2_24_tokens_is_counted_exactly():
 
 
 def test_metrics_weight_seen_is_a_pytree_under_jit():
-  tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=3)
+  tx = optax_accum.accumulate(optax.sgd(1.0), optax_accum.token_budget(3))
   params = {"w": jnp.zeros(())}
 
   step = jax.jit(lambda s: tx.update({"w": jnp.ones(())}, s, params, weight=2)[1])
@@ -230,9 +234,8 @@ def test_metrics_weight_seen_is_a_pytree_under_jit():
 
 def test_flush_skip_loss_scale_and_clip_with_a_budget():
   tx = optax_accum.accumulate(
-    optax.sgd(1.0),
-    window_weight=10,
-    clip_norm=0.5,
+    optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1.0)),
+    optax_accum.token_budget(10),
     loss_scale=optax_accum.dynamic_loss_scale(init_scale=2.0**4),
   )
   params = PARAMS
@@ -241,7 +244,7 @@ def test_flush_skip_loss_scale_and_clip_with_a_budget():
 
   @jax.jit
   def step(state, batch, scale_by):
-    scale = optax_accum.get_loss_scale(state) * scale_by
+    scale = optax_accum.metrics(state).loss_scale * scale_by
     g = jax.grad(lambda p: loss_fn(p, batch) * scale)(params)
     return tx.update(g, state, params, weight=batch["mask"].sum())
 
@@ -251,7 +254,7 @@ def test_flush_skip_loss_scale_and_clip_with_a_budget():
   u, state = step(state, mb(2), 1.0)  # 13 >= 10: closes, skipped
   m = optax_accum.metrics(state)
   assert (int(m.num_skipped), int(m.num_updates), int(m.weight_seen)) == (1, 0, 13)
-  assert float(optax_accum.get_loss_scale(state)) == 2.0**3  # backed off
+  assert float(optax_accum.metrics(state).loss_scale) == 2.0**3  # backed off
   _, state = step(state, mb(3), 1.0)  # 3 tokens, then flushed
   u, state = jax.jit(lambda s: optax_accum.flush(tx, s, params))(state)
   m = optax_accum.metrics(state)
@@ -264,7 +267,7 @@ def test_flush_skip_loss_scale_and_clip_with_a_budget():
 
 
 def test_resume_mid_window_with_a_budget_and_the_fingerprint():
-  tx = optax_accum.accumulate(optax.adam(1e-2), window_weight=9)
+  tx = optax_accum.accumulate(optax.adam(1e-2), optax_accum.token_budget(9))
   data = make_data([4, 3, 5, 2, 6, 1], seed=4)
   step = jax.jit(
     lambda s, b: tx.update(jax.grad(loss_fn)(PARAMS, b), s, PARAMS, weight=b["mask"].sum())
@@ -286,14 +289,16 @@ def test_resume_mid_window_with_a_budget_and_the_fingerprint():
   zeros = jax.tree.map(jnp.zeros_like, PARAMS)
   # Into every_k=4 without a budget: the budget's sub-state is not in that state's leaves.
   plain = optax_accum.accumulate(optax.adam(1e-2), 4)
-  with pytest.raises(ValueError, match=r"token_budget\.weight_seen\.low: in the restored state"):
+  with pytest.raises(ValueError, match=r"policy\.weight_seen\.low: in the restored state"):
     optax_accum.sharding.check_compatible(plain, PARAMS, saved)
-  with pytest.raises(ValueError, match=r"the state has the sub-state of window_weight="):
+  with pytest.raises(
+    ValueError, match=r"its policy sub-state is TokenBudgetState, this configuration \(every_k="
+  ):
     plain.update(zeros, saved, PARAMS)
-  # Into every_k=4 with the same budget: the same leaves, another fingerprint.
-  capped = optax_accum.accumulate(optax.adam(1e-2), 4, window_weight=9)
+  # Into a budget capped at 4 microbatches: the same leaves, another fingerprint.
+  capped = optax_accum.accumulate(optax.adam(1e-2), optax_accum.token_budget(9, max_microbatches=4))
   fingerprint = (
-    r"the state has no fixed every_k \(a schedule or window_weight\), "
+    r"the state has no fixed every_k \(a schedule or a token budget\), "
     r"the transformation every_k=4"
   )
   with pytest.raises(ValueError, match=fingerprint):
@@ -306,34 +311,60 @@ def test_resume_mid_window_with_a_budget_and_the_fingerprint():
 
 
 @pytest.mark.parametrize(
-  ("kwargs", "error", "match"),
+  ("args", "kwargs", "error", "match"),
   [
-    ({}, ValueError, r"every_k .* or window_weight .* got neither"),
-    ({"window_weight": lambda n: 8}, ValueError, r"window_weight_of must say .*'num_updates'"),
-    ({"window_weight": 8, "window_weight_of": "num_updates"}, ValueError, "only meaningful"),
-    ({"every_k": 2, "window_weight_of": "weight_seen"}, ValueError, "only meaningful"),
-    ({"window_weight": 0}, ValueError, r"finite and > 0"),
-    ({"window_weight": float("nan")}, ValueError, r"finite and > 0"),
-    ({"window_weight": True}, TypeError, "must be a number"),
-    ({"window_weight": 2**24 + 1}, ValueError, r"not exactly representable in float32"),
+    ((lambda n: 8,), {}, ValueError, r"of= must say .*'num_updates'"),
+    ((8,), {"of": "num_updates"}, ValueError, "only meaningful"),
+    ((8,), {"of": "tokens"}, ValueError, "only meaningful"),
+    ((0,), {}, ValueError, r"finite and > 0"),
+    ((float("nan"),), {}, ValueError, r"finite and > 0"),
+    ((True,), {}, TypeError, "must be a number"),
+    ((2**24 + 1,), {}, ValueError, r"not exactly representable in float32"),
+    ((8,), {"max_microbatches": 0}, ValueError, r"max_microbatches must be >= 1"),
   ],
 )
-def test_bad_configurations_name_the_argument(kwargs, error, match):
+def test_bad_budgets_name_the_argument(args, kwargs, error, match):
   with pytest.raises(error, match=match):
-    optax_accum.accumulate(optax.sgd(1.0), **kwargs)
+    optax_accum.token_budget(*args, **kwargs)
+
+
+def test_every_k_none_names_the_token_budget():
+  with pytest.raises(TypeError, match=r"every_k=None is not a window policy.*token_budget"):
+    optax_accum.accumulate(optax.sgd(1.0), None)
+
+
+def test_deprecated_window_weight_is_a_token_budget():
+  """0.3's keywords: one translation (the same state, bitwise the same windows)."""
+  with pytest.warns(DeprecationWarning, match=r"every_k=optax_accum.token_budget"):
+    old = optax_accum.accumulate(optax.sgd(1.0), 3, window_weight=9)
+  new = optax_accum.accumulate(optax.sgd(1.0), optax_accum.token_budget(9, max_microbatches=3))
+  data = make_data([4, 3, 5, 2, 6, 1], seed=4)
+  states = [tx.init(PARAMS) for tx in (old, new)]
+  for i in range(6):
+    b = jax.tree.map(lambda a, i=i: a[i], data)
+    g = jax.grad(loss_fn)(PARAMS, b)
+    outs = [
+      tx.update(g, s, PARAMS, weight=b["mask"].sum())
+      for tx, s in zip((old, new), states, strict=True)
+    ]
+    chex.assert_trees_all_equal(outs[0], outs[1])
+    states = [o[1] for o in outs]
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="every_k schedule"):
+    optax_accum.accumulate(optax.sgd(1.0), lambda n: 2, window_weight=9)
 
 
 def test_bad_ramp_and_lr_arguments():
-  tx = optax_accum.accumulate(
-    optax.sgd(1.0), window_weight=lambda n: jnp.ones(2), window_weight_of="num_updates"
-  )
+  budget = optax_accum.token_budget(lambda n: jnp.ones(2), of="num_updates")
+  tx = optax_accum.accumulate(optax.sgd(1.0), budget)
   params = {"w": jnp.zeros(())}
   with pytest.raises(TypeError, match="ramp must return a real scalar"):
     tx.update({"w": jnp.ones(())}, tx.init(params), params)
   with pytest.raises(ValueError, match="reference_weight must be finite and > 0"):
-    optax_accum.sqrt_scaled_schedule(1e-3, 8, 0)
-  with pytest.raises(TypeError, match=r"window_weight must be a number \(or a callable"):
-    optax_accum.sqrt_scaled_schedule(1e-3, "8", 8)
+    optax_accum.token_budget(8).sqrt_scaled_schedule(1e-3, 0)
+  with pytest.raises(TypeError, match=r"schedule must be a number \(or a callable"):
+    optax_accum.token_budget(8).sqrt_scaled_schedule("1e-3", 8)
+  with pytest.raises(ValueError, match=r"Rewrite the ramp in num_updates"):
+    optax_accum.token_budget(lambda t: 8.0, of="weight_seen").sqrt_scaled_schedule(1e-3, 8)
 
 
 # ----------------------------------------------------------------------------- shard_map
@@ -343,7 +374,7 @@ AXIS, N_DEV = "data", 8
 
 def test_global_budget_under_shard_map_one_scalar_all_reduce_per_microstep():
   """8 devices; the window closes when the tokens of all devices reach 20."""
-  tx = optax_accum.accumulate(optax.sgd(1.0), window_weight=20, axis_name=AXIS)
+  tx = optax_accum.accumulate(optax.sgd(1.0), optax_accum.token_budget(20), axis_name=AXIS)
   mesh = _compat.make_mesh((N_DEV,), (AXIS,))
   state = optax_accum.sharding.stack_windows(tx.init(PARAMS), mesh, AXIS)
   specs = optax_accum.sharding.window_specs(state, AXIS)

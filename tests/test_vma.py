@@ -127,7 +127,10 @@ COUNTS = [
 @pytest.mark.parametrize("check_vma", RECIPES)
 @pytest.mark.parametrize("clip_norm", [None, 0.5])
 def test_global_token_weighted_mean_and_identical_replicas(check_vma, clip_norm):
-  tx = optax_accum.accumulate(optax.sgd(1.0), EVERY_K, clip_norm=clip_norm, axis_name=AXIS)
+  inner = optax.sgd(1.0)
+  if clip_norm is not None:
+    inner = optax.chain(optax.clip_by_global_norm(clip_norm), inner)
+  tx = optax_accum.accumulate(inner, EVERY_K, axis_name=AXIS)
   mesh, params, opt_state, specs = setup(tx, PARAMS0)
   step = make_step(tx, mesh, specs, check_vma)
   batches = make_data(COUNTS)
@@ -188,9 +191,8 @@ def count(tx, check_vma, pcast):
 def test_one_all_reduce_per_window(check_vma):
   """No collective between boundaries; one variadic all-reduce (the psum) at the boundary."""
   tx = optax_accum.accumulate(
-    optax.adamw(1e-2),
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
     EVERY_K,
-    clip_norm=1.0,
     loss_scale=optax_accum.dynamic_loss_scale(),
     axis_name=AXIS,
   )

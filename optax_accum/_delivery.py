@@ -37,8 +37,10 @@ def received(extra_args: Mapping[str, Any]) -> None:
 def expect(tx: Any, opt_state: PyTree, extra_args: Mapping[str, Any]) -> Iterator[None]:
   """Raises (after the call) if an ``accumulate`` inside ``tx`` missed one of ``extra_args``'
   ``weight``/``flush``/``value``; before it, if ``tx`` takes no extra arguments at all."""
+  from optax_accum._state import find_states
+
   wanted = frozenset(DELIVERED) & frozenset(extra_args)
-  if not wanted:
+  if not wanted or not find_states(opt_state):  # nothing to deliver, or no accumulate: optax's
     yield
     return
   if not isinstance(tx, optax.GradientTransformationExtraArgs):

@@ -43,7 +43,7 @@ def split_batch(batch: PyTree, num_microbatches: int, *, strided: bool = True) -
       leaves' leading sizes differ, or ``B`` is not divisible by ``K``.
 
   Examples:
-    >>> from optax_accum import split_batch
+    >>> from optax_accum._microbatch_mesh import split_batch
     >>> split_batch(jnp.arange(6), 2)
     Array([[0, 2, 4],
            [1, 3, 5]], dtype=int32)

@@ -157,13 +157,13 @@ def check_state(opt_state: PyTree, state_type: type) -> None:
   Examples:
     >>> import warnings, jax.numpy as jnp, optax, optax_accum
     >>> tx = optax.chain(optax_accum.accumulate(optax.sgd(0.1), every_k=4),
-    ...                  optax.add_noise(0.01, 0.55, seed=0))
+    ...                  optax.scale_by_adam())  # Adam's count and bias correction per call
     >>> state = tx.init({'w': jnp.zeros(2)})
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
     ...   check_state(state, optax_accum.AccumulationState)
-    >>> [str(w.message)[:40] for w in caught]
-    ['optax.AddNoiseState outside accumulate c']
+    >>> [str(w.message)[:43] for w in caught]
+    ['optax.ScaleByAdamState outside accumulate c']
   """
   acc = state_type
   if not _find(opt_state, (acc,)):

@@ -111,13 +111,17 @@ class AccumulationState(NamedTuple):
   def window_sum(self) -> PyTree:
     """The open window's weighted gradient sum: ``grad_sum``, or zeros if the window is empty.
 
-    A tree like ``window.grad_sum`` (same dtypes); works under ``jit``.
+    A tree like ``window.grad_sum`` (same dtypes); works under ``jit``. ``EmptyState()`` with
+    ``every_k=1``, which keeps no window between calls.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
-      >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1)
+      >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
       >>> params = {'w': jnp.zeros(2)}
-      >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params)
+      >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params, weight=3)
+      >>> state.window_sum['w']  # 3 * (1, 1) pending
+      Array([3., 3.], dtype=float32)
+      >>> _, state = tx.update({'w': jnp.ones(2)}, state, params)
       >>> state.window_sum['w']  # the window closed: nothing is pending
       Array([0., 0.], dtype=float32)
     """

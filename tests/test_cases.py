@@ -1,4 +1,5 @@
-"""Reference cases C1-C12 (reported accumulation faults with their correct values), one test each.
+"""Reference cases C1-C14 (reported accumulation faults with their correct values), one test each
+(C13, the weights a loss implies, is in tests/test_testing.py beside the pre-flight check).
 
 Every expected value is computed independently of ``accumulate``: a number
 worked out by hand from the case, one ``jax.grad`` over the concatenated batch
@@ -440,3 +441,62 @@ def test_c12_resume_mid_window_in_fresh_process(tmp_path):
   # Three applied windows, and run B's first half matches run A's.
   assert int(a_state.num_updates) == 3
   chex.assert_trees_all_equal(b_emitted, a_emitted[:6])
+
+
+# ----------------------------------------------------------------------------- C14
+
+
+def _m1_window_update(ys_by_microbatch):
+  """sgd(1)'s update at w = 0 for the physical batch of these items: +mean(y) (M1)."""
+  flat = np.concatenate([np.asarray(y, np.float64) for y in ys_by_microbatch])
+  return float(flat.mean())
+
+
+def test_c14_a_weight_never_disappears_on_the_way():
+  # (a) lookahead around accumulate passes no weight=: refused, naming the wrapper, instead
+  # of weighing 1 and 3 as 1 and 1 (the mean of means).
+  lookahead = optax.with_extra_args_support(
+    optax.lookahead(optax_accum.accumulate(optax.sgd(0.1), every_k=2), 4, 0.5)
+  )
+  params = optax.LookaheadParams.init_synced({"w": jnp.zeros(())})
+  state = lookahead.init(params)
+  g = {"w": jnp.asarray(1.0)}
+  with pytest.raises(ValueError, match=r"weight= did not reach accumulate.*optax.LookaheadState"):
+    optax_accum.update_and_apply(lookahead, g, state, params, weight=1)
+  plain = optax.lookahead(optax_accum.accumulate(optax.sgd(0.1), every_k=2), 4, 0.5)
+  with pytest.raises(TypeError, match=r"flush= did not reach accumulate: tx takes no extra"):
+    optax_accum.update_and_apply(plain, g, plain.init(params), params, flush=True)
+
+  # (b) Two LoRA adapters in one multi_transform, one weight per call: a PitfallWarning; one
+  # weight per adapter gives each adapter its own physical batch.
+  counts = {"a1": [3, 0, 5], "a2": [1, 4, 0]}
+  rng = np.random.default_rng(14)
+  ys = {k: [rng.normal(size=n).astype(np.float32) for n in c] for k, c in counts.items()}
+  acc = lambda: optax_accum.accumulate(optax.sgd(1.0), every_k=3)
+  shared = optax.multi_transform({"a1": acc(), "a2": acc()}, {"a1": "a1", "a2": "a2"})
+  params = {"a1": jnp.zeros(()), "a2": jnp.zeros(())}
+  with pytest.warns(optax_accum.pitfalls.PitfallWarning, match="one weight= reaches 2"):
+    optax_accum.update_and_apply(
+      shared, params, shared.init(params), params, weight=jnp.float32(3.0)
+    )
+  # One accumulate per adapter, each with its own weights (docs/porting.md).
+  for k in counts:
+    tx = acc()
+    p, s = jnp.zeros(()), tx.init(jnp.zeros(()))
+    for y in ys[k]:
+      n = len(y)
+      grad = jax.grad(m1_masked_loss)(p, jnp.asarray(np.pad(y, (0, 6 - n))), jnp.arange(6) < n)
+      grad = jnp.where(n > 0, grad, 0.0)  # an adapter with no example in this microbatch
+      p, s = optax_accum.update_and_apply(tx, grad, s, p, weight=n)
+    np.testing.assert_allclose(float(p), _m1_window_update(ys[k]), rtol=1e-6)
+
+  # (c) In-step with denominator=1 and a loss already divided by the window's 8 rows: with the
+  # weight said explicitly (1 per microbatch), the gradient is jax.grad of that loss.
+  y = jnp.asarray(rng.normal(size=8), jnp.float32)
+  loss = lambda w, mb: 0.5 * jnp.sum((w - mb) ** 2) / 8
+  f = optax_accum.microbatched_value_and_grad(
+    loss, 4, weight_fn=lambda mb: 1, aggregate=optax_accum.aggregate(denominator=1)
+  )
+  np.testing.assert_allclose(f(0.25, y)[1], jax.grad(loss)(0.25, y), rtol=1e-6)
+  with pytest.raises(ValueError, match="needs weight_fn="):  # rows would multiply it by 2
+    optax_accum.microbatched_value_and_grad(loss, 4, aggregate=optax_accum.aggregate(denominator=1))

@@ -204,3 +204,29 @@ def test_flax_nnx_optimizer_state_with_a_schedule_after_accumulate_warns():
   assert int(_silent(optax_accum.metrics, opt.opt_state).num_updates) == 0
   fused = optax_accum.flax.Optimizer(model, optax_accum.accumulate(inner, 2), wrt=nnx.Param)
   _silent(fused.update, model, grads)
+
+
+def _add_noise():
+  """optax.add_noise with a key (optax >= 0.2.6) or a seed (older): feature detection."""
+  import inspect
+
+  if "key" in inspect.signature(optax.add_noise).parameters:
+    return optax.add_noise(0.01, 0.55, key=jax.random.key(0))
+  return optax.add_noise(0.01, 0.55, seed=0)
+
+
+@pytest.mark.parametrize(
+  "outside",
+  [_add_noise, optax.scale_by_adam, lambda: optax.ema(0.9)],
+  ids=["add_noise", "adam", "ema"],
+)
+def test_any_step_counter_outside_accumulate_warns_by_kind(outside):
+  """Issue 37, item 4: found through optax's public state types and their counters."""
+  tx = optax.chain(optax_accum.accumulate(optax.sgd(0.1), 2), outside())
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  with pytest.warns(PitfallWarning, match=r"outside accumulate counts calls"):
+    optax_accum.update_and_apply(tx, params, state, params)
+  # Inside accumulate the same transformation counts windows: silent.
+  inside = optax_accum.accumulate(optax.chain(optax.sgd(0.1), outside()), 2)
+  _silent(optax_accum.update_and_apply, inside, params, inside.init(params), params)

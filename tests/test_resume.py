@@ -336,3 +336,71 @@ def test_an_accumulated_run_continues_without_it():
     optax_accum.sharding.migrate_state(inner, params, state)
   with pytest.raises(ValueError, match="does not match this transformation"):  # another inner
     optax_accum.sharding.migrate_state(tx, params, optax.sgd(0.1).init(params))
+
+
+# ----------------------------------------------------------------------------- a 0.3 checkpoint
+
+
+def _state_03():
+  """tests/data/state_03.npz (written by optax_accum 0.3, tests/data/make_state_03.py) as Orbax
+  restores a checkpoint without a target: nested dicts keyed by field name."""
+  import pathlib
+
+  data = np.load(pathlib.Path(__file__).parent / "data" / "state_03.npz")
+  tree: dict = {}
+  for key in data.files:
+    kind, path = key.split("/")
+    node = tree.setdefault(kind, {})
+    *parents, leaf = path.split(".")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = data[key]
+  return tree
+
+
+def _tx_04():
+  """make_state_03.py's configuration in its 0.4 spelling."""
+  return optax_accum.accumulate(
+    optax.adam(0.05),
+    optax_accum.token_budget(10, max_microbatches=4),
+    observe=(optax_accum.noise_scale(0.5),),
+    skip_if=optax_accum.spike_rule("grad_norm", history=4),
+    loss_scale=optax_accum.dynamic_loss_scale(init_scale=2.0**4, growth_interval=2),
+  )
+
+
+def test_a_0_3_checkpoint_migrates_and_resumes_mid_window():
+  """Issue 38, item 6: a 0.3 state (saved mid-window by 0.3 itself) restores into 0.4 through
+  sharding.migrate_state and continues to the params the straight 0.3 run reached."""
+  saved = _state_03()
+  tx = _tx_04()
+  params = {"w": jnp.asarray(saved["params_saved"]["w"])}
+  with pytest.raises(ValueError, match=r"written by optax_accum 0.3.*migrate_state\(tx, params"):
+    optax_accum.sharding.check_compatible(tx, params, saved["state"])
+  state = optax_accum.sharding.migrate_state(tx, params, saved["state"])
+  assert int(state.mini_step) == 3 and int(state.num_updates) == 2  # mid-window, kept
+  assert int(optax_accum.metrics(state).weight_seen) == 24  # the token budget's count, kept
+  rng = np.random.default_rng(3)  # make_state_03.py's data
+  ys = rng.normal(size=(14, 3)).astype(np.float32)
+  ws = rng.integers(1, 6, size=14).astype(np.float32)
+
+  @jax.jit
+  def step(params, state, y, w):
+    scale = optax_accum.metrics(state).loss_scale
+    g = jax.tree.map(lambda p: (p - y) * scale, params)
+    return optax_accum.update_and_apply(tx, g, state, params, weight=w)
+
+  for i in range(9, 14):
+    params, state = step(params, state, ys[i], ws[i])
+  np.testing.assert_allclose(params["w"], saved["params_final"]["w"], rtol=1e-6, atol=1e-7)
+  assert_state_finite(state)
+
+
+def test_a_0_3_checkpoint_into_another_configuration_names_the_leaf():
+  saved = _state_03()
+  params = {"w": jnp.asarray(saved["params_saved"]["w"])}
+  plain_noise = optax_accum.accumulate(
+    optax.adam(0.05), 4, observe=(optax_accum.noise_scale(0.5), optax_accum.noise_scale(0.9))
+  )
+  with pytest.raises(ValueError, match=r"no leaf .*observers\.1"):
+    optax_accum.sharding.migrate_state(plain_noise, params, saved["state"])

@@ -12,6 +12,12 @@ state donated) are lowered and compiled, never run; XLA's
   microbatches of ``B/K`` rows in one ``lax.scan``, the same batch.
 * ``across_step``: one ``accumulate(adam, every_k=K).update`` call on one
   microbatch of ``B/K`` rows (its state holds the accumulator).
+* ``in_step_scaled``: in-step with a loss scale, the documented companion
+  ``accumulate(adam, every_k=1, loss_scale=...)`` (every microbatch is a window: its state
+  holds no accumulator, issue 41).
+
+``state_bytes`` gives each optimizer state's size next to plain Adam's: ``accumulate(adam, 1)``
+adds a few scalars, ``accumulate(adam, K)`` one float32 accumulator.
 
 The goal for ``in_step``: temp bytes close to ``physical_temp / K`` (one
 microbatch's activations) plus one gradient-sized carry. Ratios are reported
@@ -79,6 +85,7 @@ def run(batch_size: int, k: int, seq_len: int, dim: int, depth: int, heads: int)
 
   adam = optax.adam(1e-3)
   acc = optax_accum.accumulate(adam, every_k=k)
+  scaled = optax_accum.accumulate(adam, 1, loss_scale=optax_accum.dynamic_loss_scale())
   in_step_grad = optax_accum.microbatched_value_and_grad(loss_fn, k, weight_fn=tokens)
 
   def physical(p, s, b):
@@ -96,17 +103,30 @@ def run(batch_size: int, k: int, seq_len: int, dim: int, depth: int, heads: int)
     u, s = acc.update(g, s, p, weight=tokens(mb))
     return optax.apply_updates(p, u), s, loss
 
+  def in_step_scaled(p, s, b):
+    scale = optax_accum.metrics(s).loss_scale
+    f = optax_accum.microbatched_value_and_grad(loss_fn, k, weight_fn=tokens, loss_scale=scale)
+    loss, g = f(p, b)
+    p, s = optax_accum.update_and_apply(scaled, g, s, p, weight=tokens(b))
+    return p, s, loss
+
   start = time.perf_counter()
   results = {
     "physical": memory(physical, params, adam.init(params), batch),
     "in_step": memory(in_step, params, adam.init(params), batch),
     "across_step": memory(across_step, params, acc.init(params), micro),
+    "in_step_scaled": memory(in_step_scaled, params, scaled.init(params), batch),
+  }
+  state_bytes = {
+    "adam": tree_bytes(jax.eval_shape(adam.init, params)),
+    "accumulate_k1_loss_scale": tree_bytes(jax.eval_shape(scaled.init, params)),
+    "accumulate_k": tree_bytes(jax.eval_shape(acc.init, params)),
   }
   grad_bytes = tree_bytes(params)
   phys_temp = results["physical"]["temp_bytes"]
   target = phys_temp / k + grad_bytes
   ratios = {}
-  for name in ("in_step", "across_step"):
+  for name in ("in_step", "across_step", "in_step_scaled"):
     temp = results[name]["temp_bytes"]
     ratios[f"{name}_temp_vs_physical"] = temp / phys_temp
     ratios[f"{name}_temp_vs_target"] = temp / target
@@ -126,6 +146,7 @@ def run(batch_size: int, k: int, seq_len: int, dim: int, depth: int, heads: int)
     "grad_bytes": grad_bytes,
     "target_in_step_temp_bytes": int(target),
     "steps": results,
+    "state_bytes": state_bytes,
     "ratios": ratios,
     "compile_seconds": time.perf_counter() - start,
     "env": {

@@ -246,6 +246,10 @@ class Aggregation(NamedTuple):
       return jnp.ones((), jnp.bool_)
     return (d > 0) & jnp.isfinite(d)
 
+  def rule_code(self, rule: str) -> int:
+    """A rule's code in :class:`AggregationState`'s ``rules``."""
+    return RULES.index(rule)
+
   def loss_denominator(self, value_weight: jax.Array, d: jax.Array) -> jax.Array:
     """What the window's loss (``value``) is divided by: the weight of the microbatches that
     passed one, or the fixed denominator."""

@@ -146,7 +146,13 @@ def _check_accumulation(want: dict[str, Any], got: dict[str, Any]) -> None:
 
 
 def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
-  """``restored`` (without ``accumulate``, or by optax_accum 0.3) as a state of ``tx``.
+  """``restored`` (another configuration, without ``accumulate``, or 0.3's) as a state of ``tx``.
+
+  A state of another ``accumulate`` configuration (another ``every_k``, a token budget, a
+  loss scale, guards or observers added or removed: a larger effective batch mid-run) moves to
+  ``tx``'s once its window is empty (after a boundary or a flush): the inner optimizer's state
+  (Adam's moments and count) and the counters are kept, and so is every feature sub-state of
+  the same structure (the loss scale, a spike rule's history); the others start fresh.
 
   A 0.3 checkpoint (restored without a target, as a tree of arrays) is converted leaf by leaf:
   the token budget's and noise scale's sub-states move to ``policy`` and ``observers``, and
@@ -181,6 +187,9 @@ def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: Py
     (0, 0)
     >>> optax_accum.sharding.migrate_state(optax.adam(1e-3), params, state)[0].count
     Array(0, dtype=int32)
+    >>> larger = optax_accum.accumulate(optax.adam(1e-3), every_k=8)  # a larger batch
+    >>> int(optax_accum.sharding.migrate_state(larger, params, state).every_k)
+    8
   """
   if _migration.is_03(_leaves_by_path(restored)):
     return check_compatible(tx, params, _from_03(tx, params, restored))
@@ -196,7 +205,10 @@ def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: Py
         )
     migrated = map_states(lambda s: s.inner_state, restored)
   elif restored_states:
-    migrated = restored
+    try:
+      return check_compatible(tx, params, restored)
+    except ValueError:
+      migrated = _reconfigure(tx, params, restored)
   else:
     adopt = lambda fresh, old: fresh._replace(inner_state=old) if _is_state(fresh) else old
     try:
@@ -314,6 +326,50 @@ class _Leaf:
 def _stacked_shapes(expected: PyTree) -> PyTree:
   """Expected shapes with a leading device axis on the window sums."""
   return map_states(lambda s: map_window(lambda a: _Leaf((-1, *a.shape), a.dtype), s), expected)
+
+
+def _reconfigure(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
+  """``restored``'s accumulate states, each with an empty window, moved into ``tx.init(params)``'s
+  configuration: counters and the inner state kept, feature sub-states kept where their
+  structure is the same."""
+  old = find_states(restored)
+  fresh = tx.init(params)
+  if len(old) != len(find_states(fresh)):
+    raise ValueError(
+      f"The restored state holds {len(old)} accumulate states and tx.init(params) "
+      f"{len(find_states(fresh))}: restore it into the transformation that wrote it."
+    )
+  for s in old:
+    if not isinstance(s.mini_step, jax.core.Tracer) and int(s.mini_step):
+      raise ValueError(
+        f"The restored state's open window holds {int(s.mini_step)} microbatches of the old "
+        "configuration; a state moves to another window length or policy only between "
+        "windows. Close the window with the old transformation first (optax_accum.flush(old_tx, "
+        "state, params), or flush=True on its last microbatch) or drop it "
+        "(optax_accum.discard(state)), then migrate_state(tx, params, state)."
+      )
+  same = lambda a, b: jax.tree.structure(a) == jax.tree.structure(b)
+  kept = ("num_microbatches", "num_updates", "num_skipped", "updated", "window_loss",
+          "has_window_loss", "grad_norm", "has_grad_norm")  # fmt: skip
+  olds = iter(old)
+
+  def move(new):
+    if not _is_state(new):
+      return new
+    s = next(olds)
+    if not same(new.inner_state, s.inner_state):
+      raise ValueError(
+        "The restored state's inner optimizer state does not have the structure of tx's inner "
+        "optimizer: migrate_state keeps the inner state (Adam's moments), so the inner "
+        "optimizer must be the same."
+      )
+    features = {
+      f: getattr(s, f) if same(getattr(new, f), getattr(s, f)) else getattr(new, f)
+      for f in ("loss_scale", "policy", "observers", "guard", "aggregation")
+    }
+    return new._replace(**{k: getattr(s, k) for k in kept}, **features, inner_state=s.inner_state)
+
+  return jax.tree.map(move, fresh, is_leaf=_is_state)
 
 
 def _from_03(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:

@@ -269,6 +269,8 @@ def raise_on_problems(problems: list[str], what: str) -> None:
       f"{what} was made by another accumulate configuration: "
       + "; ".join(problems)
       + ". Windows would be mixed or divided by the wrong scale: restore into an accumulate() "
-      "with the same configuration, or finish the window with the old one "
-      "(optax_accum.flush) and start a fresh state with tx.init(params)."
+      "with the same configuration, or, to continue with this one (a larger every_k, another "
+      "window policy), close the window with the old one (optax_accum.flush) and move the "
+      "state: optax_accum.sharding.migrate_state(tx, params, state) keeps the inner "
+      "optimizer's state and the counters."
     )

@@ -210,6 +210,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   and sub-states after the window (``window`` and ``inner_state`` None).
   """
   grad_sum, inner_state = operands
+  refuse_another_configuration(config, header, window.grad_sum)
   agg = config.aggregation
   sums = window._replace(grad_sum=grad_sum)
   if config.axis_name is not None:  # the window's all-reduce (a pmax first for max/last leaves)
@@ -289,6 +290,55 @@ def _counters(header: st.AccumulationState, outcome: Outcome, norm: jax.Array, n
     grad_norm=jnp.where(has_norm, norm, header.grad_norm),
     has_grad_norm=jnp.where(empty, header.has_grad_norm, has_norm),
   )
+
+
+def refuse_another_configuration(config, header: st.AccumulationState, tree: PyTree) -> None:
+  """Under ``jit`` a state's fingerprint is traced: at the boundary, a state of another
+  configuration (another ``every_k``, loss scale or aggregation, restored without
+  ``check_compatible``) stops the step with a host callback in a branch taken only then.
+
+  Eager calls compared the values before the step (``check_inputs``); under ``jax.vmap`` the
+  branch becomes a select and the callback raises only for a mismatched state.
+  """
+  if not _is_traced(header.every_k):
+    return
+  want = config.fingerprint(tree)
+  checks = [(header.every_k, want.every_k)]
+  if want.loss_scale is not None:
+    checks.append((header.loss_scale.dynamic, want.loss_scale == "dynamic"))
+  if want.static_scale is not None:
+    checks.append((header.loss_scale.scale, np.float32(want.static_scale)))
+  if want.aggregation is not None:
+    d, rules, apply_empty, overwrite = want.aggregation
+    agg = header.aggregation
+    checks += [(agg.denominator, d), (agg.apply_empty, apply_empty), (agg.overwrite, overwrite)]
+    codes = np.asarray([config.aggregation.rule_code(r) for r in rules], np.int32)
+    checks.append((agg.rules, codes.reshape(agg.rules.shape)))
+  differs = [jnp.any(got != jnp.asarray(w).astype(got.dtype)) for got, w in checks]
+  mismatch = jnp.any(jnp.stack(differs))
+
+  def refuse(flag, every_k):
+    if np.any(flag):
+      st.raise_on_problems(
+        [
+          f"under jit, this state's fingerprint (every_k={np.ravel(every_k)[0]}, its loss "
+          f"scale and aggregation) is not the transformation's {_words(want)}; checked at the "
+          "first boundary (sharding.check_compatible says so before the first step)"
+        ],
+        "This optimizer state",
+      )
+
+  jax.lax.cond(
+    mismatch,
+    lambda: jax.debug.callback(refuse, mismatch, header.every_k),
+    lambda: None,
+  )
+
+
+def _words(fp: st.Fingerprint) -> str:
+  k = f"every_k={fp.every_k}" if fp.every_k else "no fixed every_k"
+  scale = f"loss_scale={fp.loss_scale}" if fp.loss_scale else "no loss_scale"
+  return f"({k}, {scale})"
 
 
 def _inner_update(config, dtypes, mean, inner_state, params, inner_args):

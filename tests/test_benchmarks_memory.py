@@ -23,7 +23,7 @@ def test_memory_benchmark_quick(tmp_path):
   report = json.loads(out.read_text())
   k = report["config"]["num_microbatches"]
   steps = report["steps"]
-  assert set(steps) == {"physical", "in_step", "across_step"}
+  assert set(steps) == {"physical", "in_step", "across_step", "in_step_scaled"}
   for step in steps.values():
     assert set(step) == {
       "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "compile_seconds"
@@ -37,3 +37,7 @@ def test_memory_benchmark_quick(tmp_path):
   assert in_step <= phys / k + 3 * report["grad_bytes"]
   ratios = report["ratios"]
   assert abs(ratios["in_step_temp_vs_physical"] - in_step / phys) < 1e-9
+  # every_k=1 keeps no accumulator: Adam's state plus a few scalars; every_k=K one accumulator.
+  state = report["state_bytes"]
+  assert 0 < state["accumulate_k1_loss_scale"] - state["adam"] < 256
+  assert state["accumulate_k"] - state["adam"] - report["grad_bytes"] < 256

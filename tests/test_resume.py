@@ -404,3 +404,65 @@ def test_a_0_3_checkpoint_into_another_configuration_names_the_leaf():
   )
   with pytest.raises(ValueError, match=r"no leaf .*observers\.1"):
     optax_accum.sharding.migrate_state(plain_noise, params, saved["state"])
+
+
+# ----------------------------------------------------------------------- another every_k on resume
+
+
+def _m1_grad(w, y):
+  return {"w": w["w"] - y}  # M1: an item's gradient at w is w - y
+
+
+def test_a_larger_every_k_on_resume_keeps_adams_moments():
+  """Issue 42, item 4: windows of 4, then (a larger effective batch) windows of 8. The reference
+  is adam fed each window's mean gradient directly (C5b's rule), computed without accumulate."""
+  ys = np.random.default_rng(42).normal(size=(4 + 4 + 2 + 8 + 8, 2)).astype(np.float32)
+  adam = optax.adam(0.1)
+  params = {"w": jnp.zeros(2)}
+  four = optax_accum.accumulate(adam, 4)
+  state = four.init(params)
+  for y in ys[:10]:  # two windows, then two microbatches of a third
+    params, state = optax_accum.update_and_apply(four, _m1_grad(params, y), state, params)
+  eight = optax_accum.accumulate(adam, 8)
+  with pytest.raises(ValueError, match=r"open window holds 2 microbatches.*flush"):
+    optax_accum.sharding.migrate_state(eight, params, state)
+  state = optax_accum.discard(state)  # drop the two; the run continues from microbatch 10
+  with pytest.raises(ValueError, match=r"every_k=4, the transformation every_k=8.*migrate_state"):
+    eight.update(_m1_grad(params, ys[10]), state, params)
+  state = optax_accum.sharding.migrate_state(eight, params, state)
+  assert int(state.every_k) == 8 and int(state.inner_state[0].count) == 2
+  for y in ys[10:]:
+    params, state = optax_accum.update_and_apply(eight, _m1_grad(params, y), state, params)
+  ref_p, ref_s = {"w": jnp.zeros(2)}, adam.init({"w": jnp.zeros(2)})
+  for lo, hi in ((0, 4), (4, 8), (10, 18), (18, 26)):
+    g = {"w": ref_p["w"] - jnp.asarray(ys[lo:hi].mean(axis=0))}
+    u, ref_s = adam.update(g, ref_s, ref_p)
+    ref_p = optax.apply_updates(ref_p, u)
+  np.testing.assert_allclose(params["w"], ref_p["w"], rtol=1e-5, atol=1e-6)
+  assert int(optax_accum.metrics(state).num_updates) == 4
+
+
+def test_another_window_policy_on_resume_keeps_the_loss_scale():
+  scale = optax_accum.dynamic_loss_scale(init_scale=2.0**5, growth_interval=1)
+  params = {"w": jnp.zeros(2)}
+  counted = optax_accum.accumulate(optax.sgd(0.1), 2, loss_scale=scale)
+  state = counted.init(params)
+  for _ in range(4):  # two applied windows: the scale grew twice
+    _, state = counted.update({"w": jnp.ones(2) * 2.0**5}, state, params)
+  budget = optax_accum.accumulate(optax.sgd(0.1), optax_accum.token_budget(6), loss_scale=scale)
+  moved = optax_accum.sharding.migrate_state(budget, params, state)
+  assert float(optax_accum.metrics(moved).loss_scale) == 2.0**7  # the same structure: kept
+  assert int(optax_accum.metrics(moved).weight_seen) == 0  # a new policy's count starts at 0
+  assert int(moved.num_updates) == 2
+
+
+def test_a_state_of_another_every_k_under_jit_is_refused_at_the_first_boundary():
+  """Issue 42, item 5: restored without check_compatible, inside a jitted step."""
+  params = {"w": jnp.zeros(2)}
+  state = optax_accum.accumulate(optax.sgd(1.0), 4).init(params)
+  tx = optax_accum.accumulate(optax.sgd(1.0), 8)
+  step = jax.jit(lambda g, s: tx.update(g, s, params))
+  with pytest.raises(Exception, match=r"under jit, this state's fingerprint \(every_k=4"):
+    for _ in range(8):
+      _, state = step({"w": jnp.ones(2)}, state)
+      jax.block_until_ready(state)

@@ -174,7 +174,7 @@ def update_and_apply(
   params: PyTree,
   **extra_args: Any,
 ) -> tuple[PyTree, PyTree]:
-  """``tx.update`` then ``optax.apply_updates``, fused when ``tx`` is an :class:`Accumulation`.
+  """``tx.update`` then ``optax.apply_updates``, fused when ``tx`` is ``accumulate(...)`` itself.
 
   The recommended train step (donate params and state, so that a microstep
   between boundaries costs what ``acc += weight * grads`` costs):
@@ -188,7 +188,7 @@ def update_and_apply(
         tx, grads, opt_state, params, weight=batch_weight)
       return params, opt_state, loss
 
-  For the :class:`optax_accum.Accumulation` that :func:`optax_accum.accumulate` returned,
+  For the transformation :func:`optax_accum.accumulate` returned,
   the params pass through its ``lax.cond`` (no update buffer is written), with the same
   arithmetic as ``tx.update`` + ``optax.apply_updates``. Any other ``tx`` (an ``optax.chain``
   containing ``accumulate``, say) runs exactly those two, re-writing the params between

@@ -396,8 +396,9 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
   """Raises unless ``state`` is this configuration's and ``grads``/``params`` match it."""
   if not isinstance(state, st.AccumulationState):
     raise TypeError(
-      f"an Accumulation's update needs its AccumulationState, got {type(state).__name__}. "
-      "Pass the state returned by tx.init / tx.update."
+      f"optax_accum.accumulate(...).update needs the state its init made (an "
+      f"AccumulationState), got {type(state).__name__}. Pass the state returned by tx.init / "
+      "tx.update."
     )
   acc = state.window.grad_sum if config.keeps_window else None
   check_trees(grads, acc, params, config.accumulator_dtype)

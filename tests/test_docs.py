@@ -17,9 +17,9 @@ RUNNABLE = [p for p in PAGES if any(not sketch for _, sketch in python_blocks(p)
 
 # page -> [(a string of the block to check after, the check)]
 CHECKS = {
-  "window_weight.md": [
+  "token_budget.md": [
     (  # each window reaches the budget, by less than one microbatch (< 400 tokens) more
-      "window_weight=1000",
+      "token_budget(1000)",
       "assert len(sizes) >= 4 and all(1000 <= w < 1400 for _, w in sizes), sizes\n",
     ),
   ],
@@ -55,7 +55,7 @@ CHECKS = {
 }
 # page -> the lines its blocks print (regular expressions), in order, as the page says.
 PRINTS = {
-  "window_weight.md": [
+  "token_budget.md": [
     r"\[\(\d, \d{4}\)(, \(\d, \d{4}\)){3}\]",
     r"\[500, 500, 500, 500, 500, 500, 2000, 2000, 2000\]",
     r"1\.0 2\.0",

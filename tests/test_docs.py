@@ -53,6 +53,24 @@ CHECKS = {
     ),
   ],
 }
+
+
+def _shown(page: str, after: str) -> list[str]:
+  """Patterns for the output a page shows as ``# `` comment lines below the line containing
+  ``after``: its first line exactly; in the others the words, and any number where the page
+  shows one (the last digits of a rounding difference depend on the machine)."""
+  lines = (ROOT / "docs" / page).read_text().splitlines()
+  i = next(i for i, line in enumerate(lines) if after in line) + 1
+  patterns = [re.escape(lines[i].removeprefix("# "))]
+  for line in lines[i + 1 :]:
+    if not line.startswith("# "):
+      break
+    parts = re.split(r"(\d[\d.e+-]*)", line.removeprefix("# "))
+    words = [re.sub(r"\\ (\\ )+", r"\\s+", re.escape(p)) for p in parts[::2]]
+    patterns.append(r"[\d.e+-]+".join(words))
+  return patterns
+
+
 # page -> the lines its blocks print (regular expressions), in order, as the page says.
 PRINTS = {
   "token_budget.md": [
@@ -80,6 +98,7 @@ PRINTS = {
     "is with it",
   ],
   "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],
+  "in_step.md": _shown("in_step.md", "print(report)"),
 }
 
 

@@ -87,7 +87,7 @@ PRINTS = {
     r"3 \(16,\)",
   ],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
-  "guards.md": ["29 1 0", "1"],
+  "guards.md": ["29 1 0", "1", r"1 1 0 \[-2\. -2\.\]"],
   "porting.md": [
     r"1 \d\.\d{3}",
     r"2 \d\.\d{3}",

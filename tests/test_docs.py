@@ -24,6 +24,15 @@ CHECKS = {
     ),
   ],
   "aggregation.md": [
+    (  # C14: both paths, weight 1 and denominator 1, give the batch's gradient (float64 by hand)
+      "sum_of_shares",
+      "x, m = batch['x'].astype(np.float64), batch['mask'].astype(np.float64)\n"
+      "r = x @ np.asarray(params['w'], np.float64) - batch['y']\n"
+      "g = 2 * x.T @ (m * r) / m.sum()  # d/dw of sum(m r^2) / sum(m)\n"
+      "np.testing.assert_allclose(-updates['w'], g, rtol=1e-5)\n"
+      "np.testing.assert_allclose(grads['w'], g, rtol=1e-5)\n"
+      "assert abs(g).min() > 1e-3  # a gradient, not zeros\n",
+    ),
     (  # the FP8 window equals the physical batch: Flax's TrainState, one grad per window
       "Fp8DirectDotGeneralOp",
       "from flax.training import train_state\n"

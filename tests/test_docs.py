@@ -47,6 +47,15 @@ CHECKS = {
       "  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)\n",
     ),
   ],
+  "porting.md": [
+    (  # value= reaches the window's loss: the token-weighted mean of the last window's losses
+      "seen = []",
+      "last = seen[-K:]\n"
+      "expected = sum(v * w for v, w in last) / sum(w for _, w in last)\n"
+      "np.testing.assert_allclose(float(m.window_loss), expected, rtol=1e-5)\n"
+      "assert len({round(v, 4) for v, _ in last}) > 1  # unequal losses: the weights matter\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -102,7 +111,14 @@ PRINTS = {
     r"2 \d\.\d{3}",
     r"3 \d\.\d{3}",  # optimizer.step counts updates: 1, 2, 3
     r"\d\.\d{3}",
-    "2",
+    r"2 \d\.\d{3}",  # TrainState.step: 2 updates; the window's loss from value=
+    "2 11 3",  # resuming: 2 updates, 11 microbatches, 3 in the open window
+    r"\[1 1\]",  # one update per adapter (each checked against jax.grad in the block)
+    re.escape(
+      "weight= did not reach accumulate: tx takes no extra arguments (a plain "
+      "optax.GradientTransformation)"
+    ),
+    "2",  # optax.lookahead: a full window and a flushed one
     "The restored optimizer state was written by a run without optax_accum.accumulate, and tx "
     "is with it",
   ],

@@ -12,7 +12,7 @@ state donated, run on the same params in one process. Variants:
 * ``accumulate_fused``: the recommended train step,
   ``optax_accum.update_and_apply(accumulate(...), ...)``: no update buffer.
 * ``accumulate_noise``, ``accumulate_fused_noise``: the two above with
-  ``noise_scale_decay=0.9`` (the gradient noise scale: one more scalar per
+  ``observe=(optax_accum.noise_scale(0.9),)`` (the gradient noise scale: one more scalar per
   microstep, ``weight * |g|^2``, and its estimate at the boundary).
 * ``accumulate_fused_guard``: ``accumulate_fused`` with
   ``skip_if=spike_rule("grad_norm")`` (the boundary guard: a few scalars and a
@@ -209,7 +209,7 @@ def run_config(
   params = make_params(n)
   leaf_shape = next(iter(params.values())).shape
   grads = fresh(jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params))
-  noisy = optax_accum.accumulate(inner, every_k=k, noise_scale_decay=NOISE_DECAY)
+  noisy = optax_accum.accumulate(inner, every_k=k, observe=(optax_accum.noise_scale(NOISE_DECAY),))
   txs = {
     "plain": (inner, "plain"),
     "multisteps": (optax.MultiSteps(inner, every_k_schedule=k), "plain"),
@@ -329,7 +329,7 @@ def ratios(v: dict[str, dict[str, Any]], inner_state_bytes: int, param_bytes: in
     ("accumulate",),
     lambda: v["accumulate"]["state_bytes"] - inner_state_bytes - param_bytes,
   )
-  # The noise scale's cost (noise_scale_decay on / off); goal <= 1.05 on both paths.
+  # The noise scale's cost (the noise_scale observer on / off); goal <= 1.05 on both paths.
   for path in ("", "fused_"):
     on, off = f"accumulate_{path}noise", f"accumulate{'_fused' if path else ''}"
     put(

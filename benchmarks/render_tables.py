@@ -70,8 +70,11 @@ ROWS = [
   ("multisteps", "`optax.MultiSteps` + `optax.apply_updates`"),
   ("accumulate", "`accumulate` + `optax.apply_updates`"),
   ("accumulate_fused", "**`update_and_apply`**"),
-  ("accumulate_noise", "`accumulate(..., noise_scale_decay=0.9)` + `optax.apply_updates`"),
-  ("accumulate_fused_noise", "`update_and_apply`, `noise_scale_decay=0.9`"),
+  (
+    "accumulate_noise",
+    "`accumulate(..., observe=(noise_scale(0.9),))` + `optax.apply_updates`",
+  ),
+  ("accumulate_fused_noise", "`update_and_apply`, `observe=(noise_scale(0.9),)`"),
   ("accumulate_fused_guard", "`update_and_apply`, `skip_if=spike_rule(...)`"),
   ("nnx_optimizer", "`optax_accum.flax.Optimizer` (NNX)"),
   ("train_state", "`optax_accum.flax.TrainState`"),

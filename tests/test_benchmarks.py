@@ -53,9 +53,10 @@ def test_quick_benchmarks(tmp_path):
   # parameter-sized copy; the default path's only ones are the boundary's copy of the
   # updates into the accumulator (one per leaf); its temporaries are the plain step's
   # plus at most one gradient-sized buffer (the boundary's updates).
-  # The plain configuration's 13 scalars: 5 int32 (mini_step, num_microbatches,
+  # The plain configuration's 14 scalars: 5 int32 (mini_step, num_microbatches,
   # num_updates, num_skipped, every_k), 5 float32 (the window's weight, value and value
-  # weight sums, window_loss, grad_norm) and 3 bools: 43 bytes (optional features off).
+  # weight sums, window_loss, grad_norm) and 4 bools (updated, has_window_loss,
+  # has_grad_norm, flush_pending): 44 bytes (optional features off).
   assert 0 < res["ratios"]["state_extra_bytes_over_inner_plus_acc"] < 64
   leaves = len(microstep.make_params(2**18))
   fused = ("accumulate_fused", "accumulate_fused_noise", "accumulate_fused_guard")

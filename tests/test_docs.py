@@ -17,13 +17,22 @@ RUNNABLE = [p for p in PAGES if any(not sketch for _, sketch in python_blocks(p)
 
 # page -> [(a string of the block to check after, the check)]
 CHECKS = {
-  "window_weight.md": [
+  "token_budget.md": [
     (  # each window reaches the budget, by less than one microbatch (< 400 tokens) more
-      "window_weight=1000",
+      "token_budget(1000)",
       "assert len(sizes) >= 4 and all(1000 <= w < 1400 for _, w in sizes), sizes\n",
     ),
   ],
   "aggregation.md": [
+    (  # C14: both paths, weight 1 and denominator 1, give the batch's gradient (float64 by hand)
+      "sum_of_shares",
+      "x, m = batch['x'].astype(np.float64), batch['mask'].astype(np.float64)\n"
+      "r = x @ np.asarray(params['w'], np.float64) - batch['y']\n"
+      "g = 2 * x.T @ (m * r) / m.sum()  # d/dw of sum(m r^2) / sum(m)\n"
+      "np.testing.assert_allclose(-updates['w'], g, rtol=1e-5)\n"
+      "np.testing.assert_allclose(grads['w'], g, rtol=1e-5)\n"
+      "assert abs(g).min() > 1e-3  # a gradient, not zeros\n",
+    ),
     (  # the FP8 window equals the physical batch: Flax's TrainState, one grad per window
       "Fp8DirectDotGeneralOp",
       "from flax.training import train_state\n"
@@ -36,6 +45,15 @@ CHECKS = {
       "ours, theirs = state.params, ref.params  # meta and params, to float32 rounding\n"
       "for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):\n"
       "  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)\n",
+    ),
+  ],
+  "porting.md": [
+    (  # value= reaches the window's loss: the token-weighted mean of the last window's losses
+      "seen = []",
+      "last = seen[-K:]\n"
+      "expected = sum(v * w for v, w in last) / sum(w for _, w in last)\n"
+      "np.testing.assert_allclose(float(m.window_loss), expected, rtol=1e-5)\n"
+      "assert len({round(v, 4) for v, _ in last}) > 1  # unequal losses: the weights matter\n",
     ),
   ],
   "scaling.md": [
@@ -53,9 +71,27 @@ CHECKS = {
     ),
   ],
 }
+
+
+def _shown(page: str, after: str) -> list[str]:
+  """Patterns for the output a page shows as ``# `` comment lines below the line containing
+  ``after``: its first line exactly; in the others the words, and any number where the page
+  shows one (the last digits of a rounding difference depend on the machine)."""
+  lines = (ROOT / "docs" / page).read_text().splitlines()
+  i = next(i for i, line in enumerate(lines) if after in line) + 1
+  patterns = [re.escape(lines[i].removeprefix("# "))]
+  for line in lines[i + 1 :]:
+    if not line.startswith("# "):
+      break
+    parts = re.split(r"(\d[\d.e+-]*)", line.removeprefix("# "))
+    words = [re.sub(r"\\ (\\ )+", r"\\s+", re.escape(p)) for p in parts[::2]]
+    patterns.append(r"[\d.e+-]+".join(words))
+  return patterns
+
+
 # page -> the lines its blocks print (regular expressions), in order, as the page says.
 PRINTS = {
-  "window_weight.md": [
+  "token_budget.md": [
     r"\[\(\d, \d{4}\)(, \(\d, \d{4}\)){3}\]",
     r"\[500, 500, 500, 500, 500, 500, 2000, 2000, 2000\]",
     r"1\.0 2\.0",
@@ -69,17 +105,25 @@ PRINTS = {
     r"3 \(16,\)",
   ],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
-  "guards.md": ["29 1 0", "1"],
+  "guards.md": ["29 1 0", "1", r"1 1 0 \[-2\. -2\.\]"],
   "porting.md": [
     r"1 \d\.\d{3}",
     r"2 \d\.\d{3}",
     r"3 \d\.\d{3}",  # optimizer.step counts updates: 1, 2, 3
     r"\d\.\d{3}",
-    "2",
+    r"2 \d\.\d{3}",  # TrainState.step: 2 updates; the window's loss from value=
+    "2 11 3",  # resuming: 2 updates, 11 microbatches, 3 in the open window
+    r"\[1 1\]",  # one update per adapter (each checked against jax.grad in the block)
+    re.escape(
+      "weight= did not reach accumulate: tx takes no extra arguments (a plain "
+      "optax.GradientTransformation)"
+    ),
+    "2",  # optax.lookahead: a full window and a flushed one
     "The restored optimizer state was written by a run without optax_accum.accumulate, and tx "
     "is with it",
   ],
   "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],
+  "in_step.md": _shown("in_step.md", "print(report)"),
 }
 
 

@@ -37,7 +37,7 @@ np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-7)
 """
 # After the mixed-precision block: the gradient is of loss * scale, the loss unscaled.
 CHECK_SCALED = """
-scale = float(optax_accum.get_loss_scale(opt_state))
+scale = float(optax_accum.metrics(opt_state).loss_scale)
 assert scale > 1
 ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
 np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -82,7 +82,7 @@ def test_project_urls_are_the_readme_clone_url():
 
 
 # The token-budget block: windows close at the first microbatch reaching 24 tokens (issue 15).
-CHECK_WINDOW_WEIGHT = """
+CHECK_TOKEN_BUDGET = """
 closed, pending = [], 0
 for b in microbatches:
   pending += int(np.asarray(b["mask"]).sum())
@@ -103,9 +103,9 @@ def test_readme_python_blocks_run_in_order(tmp_path):
   for marker, check in (
     ("def train_step", CHECK_EXAMPLE),
     ("microbatched_value_and_grad", CHECK_IN_STEP),
-    ("scaled_value_and_grad", CHECK_SCALED),
+    ("loss_scale=scale", CHECK_SCALED),
     ("init_sharded", CHECK_SHARDED),
-    ("window_weight=24", CHECK_WINDOW_WEIGHT),
+    ("token_budget(24)", CHECK_TOKEN_BUDGET),
   ):
     i = next(i for i, c in enumerate(code) if marker in c)
     checks[i] = check
@@ -114,9 +114,20 @@ def test_readme_python_blocks_run_in_order(tmp_path):
   # What the text says the blocks print.
   assert "2 updates, 0 microbatches pending" in out
   assert "optax_accum equivalence check: 4 microbatches" in out
+  # The planning block prints what its comments say (up to a colon's explanation).
+  planning = next(c for c in code if "plan_microbatch" in c)
+  for said in re.findall(r"^print\(.*\)  # ([^:\n]+)", planning, flags=re.M):
+    assert said in out.splitlines(), (said, out)
   grad = re.search(r"gradient, in-step +\S+ +(\S+)", out)
   mean_of_means = re.search(r"mean of means would give \(grad\) +\S+ +(\S+)", out)
   assert float(grad.group(1)) < 1e-5 < 1e-2 < float(mean_of_means.group(1))
+
+
+def _compiled_bytes(step, *args):
+  """What XLA reports for ``step(*args)``: arguments + outputs + temporaries - aliased."""
+  stats = step.lower(*args).compile().memory_analysis()
+  used = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+  return used - stats.alias_size_in_bytes
 
 
 @pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
@@ -127,11 +138,9 @@ def test_readme_planning_block_runs_after_the_example():
   exec(compile(blocks[0], "README.md", "exec"), ns)
   exec(compile(planning_block, "README.md", "exec"), ns)
   plan, make_args = ns["plan"], ns["make_args"]
-  from optax_accum.planning import compiled_peak_bytes
-
   # Settled: the planned size fits 64 MB and the next one, compiled again here, does not.
-  assert plan.peak_bytes == compiled_peak_bytes(ns["step"], *make_args(plan.size)) <= 64 * 10**6
-  assert compiled_peak_bytes(ns["step"], *make_args(plan.size + 1)) > 64 * 10**6
+  assert plan.peak_bytes == _compiled_bytes(ns["step"], *make_args(plan.size)) <= 64 * 10**6
+  assert _compiled_bytes(ns["step"], *make_args(plan.size + 1)) > 64 * 10**6
   assert plan.num_compilations <= 2 + 20
   # Each row holds x (512 float32) at least: the line's slope counts it.
   assert plan.bytes_per_row >= 512 * 4

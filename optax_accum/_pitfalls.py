@@ -130,7 +130,7 @@ def check_params(params: PyTree) -> None:
       "evaluation and checkpoints keyed on it run every_k times too often. Use "
       "optax_accum.flax.Optimizer (the same constructor; its step counts applied updates), "
       "or read optax_accum.metrics(opt.opt_state).num_updates. Calling tx.init yourself? "
-      "Pass arrays (nnx.as_pure(state)) and this is not shown."
+      "Pass arrays (nnx.as_pure(state), nnx.pure before Flax 0.12.7) and this is not shown."
     )
 
 

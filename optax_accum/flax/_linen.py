@@ -114,7 +114,7 @@ class TrainState(train_state.TrainState):
     raise _migration.removed("TrainState", name)
 
   def apply_gradients(
-    self, *, grads: Any, weight: Any = 1, flush: Any = False, value: Any = None, **kwargs: Any
+    self, *, grads: Any, weight: Any = None, flush: Any = None, value: Any = None, **kwargs: Any
   ) -> TrainState:
     """Adds one microbatch's gradients; applies the window at its boundary.
 
@@ -123,9 +123,10 @@ class TrainState(train_state.TrainState):
         gradient of the whole variables tree: its ``_overwrite_with_gradient`` part holds the
         microbatch's new meta).
       weight: examples or unmasked tokens that mean is over (a non-negative
-        scalar, may be traced). Default 1: every microbatch weighs the same.
+        scalar, may be traced). None (default): not passed, ``accumulate``'s default 1:
+        every microbatch weighs the same.
       flush: bool (may be traced); close the window after this microbatch even
-        if it is incomplete (the last microbatch of the data).
+        if it is incomplete (the last microbatch of the data). None: not passed (False).
       value: the microbatch's loss (optional): the window's weighted mean is
         ``metrics(state.opt_state).window_loss`` and the inner optimizer's ``value``
         (``optax.contrib.reduce_on_plateau``).
@@ -138,9 +139,8 @@ class TrainState(train_state.TrainState):
       TypeError, ValueError: from ``tx.update`` (a bad weight, grads not matching the params).
       ValueError: if ``tx`` contains several ``accumulate`` transformations.
     """
-    extra = {"weight": weight, "flush": flush}
-    if value is not None:
-      extra["value"] = value
+    given = {"weight": weight, "flush": flush, "value": value}
+    extra = {k: v for k, v in given.items() if v is not None}  # only what the caller gave
     return self._apply(
       lambda g, p: update_and_apply(self.tx, g, self.opt_state, p, **extra), grads, **kwargs
     )

@@ -31,6 +31,7 @@ from optax_accum import (
   _pitfalls,
   _step,
   _vma,
+  _zero,
 )
 from optax_accum._protocols import Guard, Observer, WindowPolicy
 from optax_accum._state import AccumulationState, Window
@@ -123,6 +124,7 @@ def accumulate(
   observe: tuple[Observer, ...] = (),
   axis_name: str | tuple[str, ...] | None = None,
   accumulator_dtype: Any = None,
+  shard_optimizer: bool = False,
   **deprecated: Any,
 ) -> Accumulation:
   """Accumulates weighted microbatch gradients and runs ``inner`` once per window.
@@ -162,6 +164,13 @@ def accumulate(
       one ``psum`` at the boundary precedes the single division. docs/scaling.md.
     accumulator_dtype: None (default): ``promote_types(grad.dtype, float32)`` per leaf
       (float32 for bf16/fp16/float32, float64 under x64); or a dtype.
+    shard_optimizer: ZeRO-1 at the window boundary (needs ``axis_name``; the state is made and
+      updated inside ``shard_map``, ``sharding.init_sharded``): one reduce-scatter of the
+      window, the inner optimizer on each device's ``1/n`` of every leaf with ``1/n`` of its
+      state, one all-gather of the updates: the bytes of one all-reduce, and ``1/n`` of the
+      inner state per device. The inner optimizer must treat elements independently (adam,
+      adamw, sgd, lion; global norms are exact); one that reshapes or couples elements
+      (factored adafactor, muon) is refused, naming the operation. docs/scaling.md.
     **deprecated: the 0.3 keywords (``window_weight``, ``window_weight_of``, ``clip_norm``,
       ``skip_nonfinite``, ``noise_scale_decay``, ``denominator``, ``apply_empty``, ``reduce``,
       ``overwrite``): translated to their 0.4 spelling with a ``DeprecationWarning`` naming
@@ -200,7 +209,7 @@ def accumulate(
       inner, every_k, aggregate, observe, deprecated
     )
   config = _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
-                   accumulator_dtype)  # fmt: skip
+                   accumulator_dtype, shard_optimizer)  # fmt: skip
 
   def init_fn(params):
     return init(config, params)
@@ -209,7 +218,7 @@ def accumulate(
 
 
 def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
-            accumulator_dtype) -> _step.Config:  # fmt: skip
+            accumulator_dtype, shard_optimizer) -> _step.Config:  # fmt: skip
   """Validates ``accumulate``'s arguments into feature objects, each error naming the argument."""
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise TypeError(
@@ -241,6 +250,7 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
     axis_name=axis_name,
     accumulator_dtype=_accumulator_dtype(accumulator_dtype),
     keeps_window=not always_closes,
+    placement=_zero.check_config(shard_optimizer, axis_name, aggregation),
   )
 
 
@@ -301,6 +311,11 @@ def init(config: _step.Config, params: PyTree) -> AccumulationState:
   _pitfalls.check_params(params)
   agg = config.aggregation
   fp8 = "grad_amax_history" in agg.rules(params)
+  if config.placement.sharded and any(agg.overwritten(params)):
+    raise ValueError(
+      "shard_optimizer=True: these params have leaves the boundary overwrites (Flax FP8 meta, "
+      "max/last rules), which are not sharded. Use shard_optimizer=False for them."
+    )
   if agg.active(params):
     for o in config.observers:
       if isinstance(o, _noise_scale.NoiseScale):
@@ -339,8 +354,10 @@ def init(config: _step.Config, params: PyTree) -> AccumulationState:
     flush_pending=zero_b(),
     every_k=jnp.asarray(config.policy.every_k, jnp.int32),
     **config.sub_states(params),
-    inner_state=_pitfalls.check_inner_state(
-      agg.inner_for(config.inner, params).init(params), AccumulationState
+    inner_state=config.placement.wrap(
+      _pitfalls.check_inner_state(
+        config.placement.init(agg.inner_for(config.inner, params), params), AccumulationState
+      )
     ),
   )
   return _vma.per_device_window(state, config.axis_name)

@@ -22,8 +22,8 @@ from optax_accum._state import (
   find_states,
   fingerprint_of,
   fingerprint_problems,
+  map_per_device,
   map_states,
-  map_window,
   raise_on_problems,
 )
 
@@ -325,7 +325,7 @@ class _Leaf:
 
 def _stacked_shapes(expected: PyTree) -> PyTree:
   """Expected shapes with a leading device axis on the window sums."""
-  return map_states(lambda s: map_window(lambda a: _Leaf((-1, *a.shape), a.dtype), s), expected)
+  return map_states(lambda s: map_per_device(lambda a: _Leaf((-1, *a.shape), a.dtype), s), expected)
 
 
 def _reconfigure(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_accum._state import map_states, map_window
+from optax_accum._state import map_per_device, map_states
 
 PyTree = Any
 
@@ -90,10 +90,29 @@ def state_shardings(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
   return jax.tree.map(assign, abstract, is_leaf=like_params)
 
 
-def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
-  """``tx.init(params)`` jitted with ``out_shardings=state_shardings(tx, params)`` (outside jit).
+def init_sharded(
+  tx: optax.GradientTransformation, params: PyTree, axis_name: str | tuple[str, ...] | None = None
+) -> PyTree:
+  """``tx.init(params)`` placed on the params' mesh: like the params, or per device for shard_map.
 
-  Args and Raises as :func:`state_shardings`; returns the initial state.
+  Without ``axis_name``: ``tx.init`` jitted with ``out_shardings=state_shardings(tx, params)``
+  (the ``jax.jit`` recipe). With ``axis_name`` (``accumulate``'s, the ``shard_map`` recipe):
+  ``tx.init`` runs inside ``jax.shard_map`` over that axis of the params' mesh, and each device's
+  window (and, with ``shard_optimizer=True``, its ``1/n`` of the inner state: ZeRO-1) is laid out
+  on a leading device axis, as :func:`stack_windows` lays a window out; :func:`window_specs`
+  gives the step's specs.
+
+  Args:
+    tx: any ``optax.GradientTransformation``.
+    params: sharded ``jax.Array`` leaves on one mesh (replicated over ``axis_name``).
+    axis_name: None, or the ``shard_map`` axis (or axes) of ``accumulate(..., axis_name=...)``.
+
+  Returns:
+    The initial state.
+
+  Raises:
+    TypeError: as :func:`state_shardings` (a param without sharding); with ``axis_name``, a
+      param not placed with a ``NamedSharding`` on a mesh with that axis.
 
   Examples:
     >>> import optax, optax_accum
@@ -105,14 +124,45 @@ def init_sharded(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     >>> state.window.grad_sum['w'].sharding == params['w'].sharding
     True
   """
-  return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
+  if axis_name is None:
+    return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
+  mesh = _mesh_of(params, axis_name)
+  replicated = jax.tree.map(lambda p: _spec_on(p, mesh), params)
+  # The state's structure (not its shapes) says which leaves are per device.
+  shape = jax.eval_shape(
+    jax.shard_map(
+      tx.init, mesh=mesh, in_specs=(replicated,), out_specs=PartitionSpec(), check_vma=False
+    ),  # fmt: skip
+    params,
+  )
+  specs = window_specs(shape, axis_name)
+  init = jax.shard_map(
+    lambda p: stacked_state(tx.init(p)), mesh=mesh, in_specs=(replicated,), out_specs=specs
+  )
+  return jax.jit(init)(params)
+
+
+def _mesh_of(params: PyTree, axis_name: str | tuple[str, ...]) -> jax.sharding.Mesh:
+  """The mesh the params are placed on, which must have ``axis_name``."""
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = getattr(p, "sharding", None)
+    if isinstance(sharding, NamedSharding) and all(a in sharding.mesh.shape for a in axes):
+      return sharding.mesh
+    raise TypeError(
+      f"init_sharded(..., axis_name={axis_name!r}): param {jax.tree_util.keystr(path)} is not "
+      f"placed with a NamedSharding on a mesh with the axis {axis_name!r}. Place the params "
+      "first: jax.device_put(params, NamedSharding(mesh, P()))."
+    )
+  raise TypeError("init_sharded: params has no leaves.")
 
 
 def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   """The state's ``in_specs``/``out_specs`` for ``jax.shard_map``: ``P(axis_name)`` for windows.
 
   ``opt_state`` may be a ``jax.eval_shape``; ``axis_name`` is ``accumulate``'s. Returns a tree
-  of ``PartitionSpec`` like ``opt_state``: each ``state.window`` leaf per device, the rest ``P()``.
+  of ``PartitionSpec`` like ``opt_state``: each ``state.window`` leaf per device (and, with
+  ``shard_optimizer=True``, each leaf of the inner state's shards), the rest ``P()``.
 
   Examples:
     >>> import optax, optax_accum
@@ -123,7 +173,7 @@ def window_specs(opt_state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
   """
   per_device, replicated = PartitionSpec(axis_name), PartitionSpec()
   is_spec = lambda x: isinstance(x, PartitionSpec)
-  specs = map_states(lambda s: map_window(lambda _: per_device, s), opt_state)
+  specs = map_states(lambda s: map_per_device(lambda _: per_device, s), opt_state)
   return jax.tree.map(lambda x: x if is_spec(x) else replicated, specs, is_leaf=is_spec)
 
 
@@ -242,7 +292,7 @@ def local_state(opt_state: PyTree) -> PyTree:
         "shard_map block of a state laid out by optax_accum.sharding.stack_windows (with "
         "window_specs as in_specs); a state straight from tx.init needs no local_state."
       )
-    return map_window(lambda x: x[0], s)
+    return map_per_device(lambda x: x[0], s)
 
   return map_states(drop, opt_state)
 
@@ -266,4 +316,4 @@ def stacked_state(opt_state: PyTree) -> PyTree:
     >>> out.window.grad_sum['w'].shape, out.window.weight_sum.shape  # one block per device
     ((8, 3), (8,))
   """
-  return map_states(lambda s: map_window(lambda x: x[None], s), opt_state)
+  return map_states(lambda s: map_per_device(lambda x: x[None], s), opt_state)

@@ -184,9 +184,28 @@ def map_states(fn, opt_state: PyTree) -> PyTree:
   return jax.tree.map(lambda x: fn(x) if _is_state(x) else x, opt_state, is_leaf=_is_state)
 
 
-def map_window(fn, state: AccumulationState) -> AccumulationState:
-  """Applies ``fn`` to every leaf of the open window's sums (``state.window``)."""
-  return state._replace(window=jax.tree.map(fn, state.window))
+def map_per_device(fn, state: AccumulationState) -> AccumulationState:
+  """Applies ``fn`` to every per-device leaf: the open window's sums (``state.window``) and,
+  under ``shard_optimizer=True``, the inner state's shards (``Shards``)."""
+  state = state._replace(window=jax.tree.map(fn, state.window))
+  if isinstance(state.inner_state, Shards):
+    state = state._replace(inner_state=jax.tree.map(fn, state.inner_state))
+  return state
+
+
+class Shards(NamedTuple):
+  """The inner optimizer's state under ``accumulate(..., shard_optimizer=True)`` (ZeRO-1).
+
+  Per device, like the window: each non-scalar leaf of the inner state is this device's ``1/n``
+  (the leaf flattened and zero-padded to a multiple of ``n``, shape ``[ceil(size / n)]``), each
+  scalar leaf (a step count) whole. ``sharding.stack_windows`` and ``window_specs`` lay it out
+  on a leading device axis like the window.
+
+  Attributes:
+    inner: the inner optimizer's state, its leaves as shards.
+  """
+
+  inner: PyTree
 
 
 # ------------------------------------------------------------------ configuration fingerprints

@@ -43,6 +43,8 @@ class Config(NamedTuple):
     accumulator_dtype: the accumulator dtype override, or None (the per-leaf rule).
     keeps_window: False when every microbatch closes its window (``every_k=1``): the state
       holds no accumulator.
+    placement: where the inner optimizer runs at the boundary (``_zero``): on the whole
+      window on every device, or ZeRO-1 on each device's ``1/n`` (``shard_optimizer=True``).
   """
 
   inner: Any
@@ -54,6 +56,7 @@ class Config(NamedTuple):
   axis_name: Any
   accumulator_dtype: Any
   keeps_window: bool
+  placement: Any
 
   def fingerprint(self, grads: PyTree) -> st.Fingerprint:
     """What a state made by this configuration holds (``_state.Fingerprint``)."""
@@ -211,19 +214,19 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   """
   grad_sum, inner_state = operands
   refuse_another_configuration(config, header, window.grad_sum)
-  agg = config.aggregation
-  sums = window._replace(grad_sum=grad_sum)
-  if config.axis_name is not None:  # the window's all-reduce (a pmax first for max/last leaves)
-    grads, rest = agg.all_reduce(
-      sums.grad_sum, sums._replace(grad_sum=None), sums.weight_sum > 0, config.axis_name
-    )
-    sums = rest._replace(grad_sum=grads)
+  agg, placement = config.aggregation, config.placement
+  # Under axis_name, the window over the devices: one all-reduce (a pmax first for max/last
+  # leaves), or (ZeRO-1) one reduce-scatter: this device's 1/n of each leaf, the scalars summed.
+  rest = window._replace(grad_sum=None)
+  grads, rest, parts = placement.reduce(agg, grad_sum, rest, config.axis_name)
+  sums = rest._replace(grad_sum=grads)
   split = agg.split(sums.grad_sum)
   scale = config.loss_scale.scale(header.loss_scale)
   d = agg.value(sums.weight_sum, header.num_updates)  # the weight sum, or the fixed denominator
-  norm, norm_finite = split.norm_and_finite(sums.grad_sum, d, scale)
+  like = placement.like(dtypes.mean)
+  norm, norm_finite, fits = placement.norm_and_finite(split, sums.grad_sum, d, scale, like, parts)
   # A schedule's traced value <= 0 or not finite skips; the mean must fit the dtype inner gets.
-  finite = norm_finite & agg.usable(d) & split.fits(sums.grad_sum, d, scale, norm, dtypes.mean)
+  finite = norm_finite & agg.usable(d) & fits
   empty = sums.weight_sum == 0
   has_value = sums.value_weight > 0
   loss_sum = _numerics.guarded_divide(sums.value_sum, agg.loss_denominator(sums.value_weight, d))
@@ -241,7 +244,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
 
   def run_inner(ops):
     grad_sum, inner_state = ops
-    mean = split.window_values(sums.grad_sum, d, scale, dtypes.mean)
+    mean = split.window_values(sums.grad_sum, d, scale, like)
     updates, new_inner, ok = _inner_update(config, dtypes, mean, inner_state, params, inner_args)
     updates = split.overwrite_updates(updates, mean, params, empty)  # max/last: value - param
     out, grad_sum = place.applied(updates, params, grad_sum)
@@ -253,7 +256,10 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
     out, grad_sum = place.skipped(params, grad_sum, apply)
     return out, grad_sum, inner_state, jnp.zeros_like(apply)
 
-  out, new_sum, inner_state, ok = jax.lax.cond(apply, run_inner, keep_inner, operands)
+  branches = (run_inner, keep_inner)
+  if placement.sharded:  # the shards' scalars (a step count) may come back typed per device
+    branches = _vma.agree(branches, operands, (sums, params, extra))
+  out, new_sum, inner_state, ok = jax.lax.cond(apply, *branches, operands)
   new_sum = place.after_inner(grad_sum, new_sum, inner_state, out)
   outcome = Outcome(stats, apply & ok, finite & (ok | ~apply), empty, spike, scale)
   header = _counters(header, outcome, norm, norm_finite)
@@ -346,19 +352,23 @@ def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
 
   ``ok`` is None where nothing was checked. With a 16-bit dtype (``_numerics.updates_finite``),
   a non-finite update or state skips the window: selected leafwise (XLA fuses the select into
-  the inner optimizer's passes; a nested cond would copy the inner state).
+  the inner optimizer's passes; a nested cond would copy the inner state). Under ZeRO-1 the
+  inner optimizer runs on this device's shards and the updates are gathered after it.
   """
+  placement = config.placement
   inner = config.aggregation.inner_for(config.inner, mean)
-  updates, new_inner = inner.update(mean, inner_state, params, **inner_args)
-  updates = optax.tree.cast_like(updates, dtypes.updates)
-  new_inner = optax.tree.cast_like(new_inner, inner_state)  # an fp16 moment stays fp16
-  like = (dtypes.mean, dtypes.out)
-  ok = _numerics.updates_finite(updates, new_inner, inner_state, like, params)
-  if ok is None:  # True, with the device variance of the other branch's False
-    return updates, new_inner, None
-  keep = lambda new, old: jnp.where(ok, new, old)
-  updates = jax.tree.map(lambda u: keep(u, jnp.zeros((), u.dtype)), updates)
-  return updates, jax.tree.map(keep, new_inner, inner_state), ok
+  old = placement.unwrap(inner_state)
+  updates, new_inner = placement.update(inner, mean, old, params, inner_args)
+  updates = optax.tree.cast_like(updates, placement.like(dtypes.updates))
+  new_inner = optax.tree.cast_like(new_inner, old)  # an fp16 moment stays fp16
+  like = (placement.like(dtypes.mean), placement.like(dtypes.out))
+  ok = _numerics.updates_finite(updates, new_inner, old, like, placement.local(params))
+  if ok is not None:  # else True, with the device variance of the other branch's False
+    ok = placement.all_true(ok)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    updates = jax.tree.map(lambda u: keep(u, jnp.zeros((), u.dtype)), updates)
+    new_inner = jax.tree.map(keep, new_inner, old)
+  return placement.gather(updates, dtypes.updates), placement.wrap(new_inner), ok
 
 
 class Dtypes(NamedTuple):
@@ -379,7 +389,7 @@ class Dtypes(NamedTuple):
     plain = jax.eval_shape(
       lambda g, s, p: inner.update(g, s, p, **inner_args)[0],
       grads,
-      state.inner_state,
+      config.placement.whole(inner, state.inner_state, grads),
       params,
     )
     mean = _numerics.mean_dtypes(grads, params)
@@ -410,6 +420,7 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
   elif not problems:  # traced values (under jit): what can be compared is the structure
     problems = _inner_structure_problems(config, grads, state.inner_state)
   st.raise_on_problems(problems, "This optimizer state")
+  config.placement.check_bound()
   _vma.check_replicated(params, config.axis_name)
   _vma.check_grads(grads, params, acc, config.axis_name)
 
@@ -427,6 +438,12 @@ def _sub_state_problems(config, grads: PyTree, state: st.AccumulationState) -> l
           f"its {where}{field} sub-state is {_kind(g[field])}, this configuration "
           f"({_ARGUMENT[field]}) makes {_kind(w[field])}"
         )
+  sharded = isinstance(state.inner_state, st.Shards)
+  if sharded != config.placement.sharded:
+    how = lambda s: "sharded (shard_optimizer=True)" if s else "replicated"
+    problems.append(
+      f"its inner state is {how(sharded)}, this configuration's is {how(config.placement.sharded)}"
+    )
   kept = not isinstance(state.window.grad_sum, optax.EmptyState)
   if kept != config.keeps_window:
     problems.append(
@@ -459,8 +476,16 @@ def _inner_structure_problems(config, grads: PyTree, inner_state: Any) -> list[s
   (``aggregate(reduce=...)`` wraps it in ``optax.masked``); the fingerprint's values are
   traced under jit."""
   inner = config.aggregation.inner_for(config.inner, grads)
-  if jax.tree.structure(inner_state) == jax.tree.structure(jax.eval_shape(inner.init, grads)):
+  want = config.placement.wrap(jax.eval_shape(inner.init, grads))
+  if jax.tree.structure(inner_state) == jax.tree.structure(want):
     return []
+  sharded = lambda t: isinstance(t, st.Shards)
+  if sharded(inner_state) != sharded(want):
+    how = lambda t: "sharded (shard_optimizer=True)" if sharded(t) else "replicated"
+    return [
+      f"its inner state is {how(inner_state)}, this configuration's is {how(want)}: restore "
+      "into the configuration that wrote it"
+    ]
   return ["its inner state's structure is not this configuration's inner optimizer's"]
 
 

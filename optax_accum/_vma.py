@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from optax_accum._state import AccumulationState, map_window
+from optax_accum._state import AccumulationState, map_per_device
 
 PyTree = Any
 
@@ -43,7 +43,7 @@ def _axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def _vary(x: jax.Array, axes: frozenset | tuple[str, ...]) -> jax.Array:
+def vary(x: jax.Array, axes: frozenset | tuple[str, ...]) -> jax.Array:
   """``x`` typed varying over ``axes`` too (a no-op where it already is)."""
   missing = tuple(sorted(set(axes) - varying(x)))
   return pcast_varying(x, missing) if missing else x
@@ -58,12 +58,12 @@ def per_device_window(
   has from the start the type ``update`` returns (a valid ``lax.scan`` carry). Outside
   ``shard_map`` over these axes (or ``axis_name=None``) ``state`` is returned as it is.
   """
-  if axis_name is None or not _bound(axis_name):  # not inside shard_map over these axes
+  if axis_name is None or not bound(axis_name):  # not inside shard_map over these axes
     return state
-  return map_window(lambda x: _vary(x, _axes(axis_name)), state)
+  return map_per_device(lambda x: vary(x, _axes(axis_name)), state)
 
 
-def _bound(axis_name: str | tuple[str, ...]) -> bool:
+def bound(axis_name: str | tuple[str, ...]) -> bool:
   """Whether every axis of ``axis_name`` is bound here (``shard_map``, ``vmap``)."""
   try:
     jax.lax.axis_size(_axes(axis_name))
@@ -87,7 +87,7 @@ def agree(branches: tuple, operands: PyTree, inputs: PyTree) -> tuple:
   def wrap(branch):
     def agreed(ops):
       leaves, treedef = jax.tree.flatten(branch(ops))
-      out = [_vary(x, want) for x, want in zip(leaves, target, strict=True)]
+      out = [vary(x, want) for x, want in zip(leaves, target, strict=True)]
       return jax.tree.unflatten(treedef, out)
 
     return agreed
@@ -129,7 +129,7 @@ def check_grads(grads: PyTree, params: PyTree, acc: PyTree | None, axis_name: An
   varies over an axis its param does not (each device its own microbatch) needs one.
   Nothing is checked under ``check_vma=False`` (no variance is typed).
   """
-  if axis_name is not None and not _bound(axis_name):
+  if axis_name is not None and not bound(axis_name):
     raise ValueError(
       f"accumulate(..., axis_name={axis_name!r}) sums the window over that mesh axis, but "
       "no such axis is bound where tx.update runs. Run the step inside jax.shard_map over "
@@ -139,7 +139,7 @@ def check_grads(grads: PyTree, params: PyTree, acc: PyTree | None, axis_name: An
     )
   paths = jax.tree_util.tree_flatten_with_path(grads)[0]
   if acc is None:  # a window made in this call is typed like a kept one (per_device_window)
-    window = varying(_vary(jax.numpy.zeros(()), _axes(axis_name))) if axis_name else frozenset()
+    window = varying(vary(jax.numpy.zeros(()), _axes(axis_name))) if axis_name else frozenset()
     window_axes = [window] * len(paths)
   else:
     window_axes = [varying(a) for a in jax.tree.leaves(acc)]

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from optax_accum import _aggregation, _migration
-from optax_accum._sharding import state_shardings
+from optax_accum._sharding import on_mesh, state_shardings
 from optax_accum._state import (
   Fingerprint,
   _is_state,
@@ -85,11 +85,14 @@ def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[Fing
   """The fingerprint of each state ``tx.init`` writes, computed without materializing it."""
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
 
-  def fields():
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    return [(s.every_k, s.loss_scale, s.aggregation) for s in find_states(tx.init(zeros))]
+  def fields(p):
+    return [(s.every_k, s.loss_scale, s.aggregation) for s in find_states(tx.init(p))]
 
-  return [_fingerprint(*f) for f in jax.jit(fields)()]
+  def made():  # zeros of the params' shapes, never materialized outside the program
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    return on_mesh(fields, zeros, like=params)
+
+  return [_fingerprint(*f) for f in jax.jit(made)()]
 
 
 def _fingerprint(every_k: Any, loss_scale: Any, aggregation: Any) -> Fingerprint | None:
@@ -265,7 +268,7 @@ def check_compatible(
     ValueError: The restored optimizer state was made by another accumulate configuration:
     the state has every_k=4, the transformation every_k=8. ...
   """
-  expected = jax.eval_shape(tx.init, params)
+  expected = on_mesh(tx.init, params, shapes=True)
   if stacked:
     expected = _stacked_shapes(expected)
   want, got = _leaves_by_path(expected), _leaves_by_path(state)
@@ -295,6 +298,7 @@ def check_compatible(
       if one_axis_more
       else ""
     )
+    hint += _sharding_hint(want, got)
     raise ValueError(
       "The restored optimizer state does not match this transformation:\n"
       + "\n".join(problems)
@@ -314,6 +318,27 @@ def check_compatible(
     ]
     raise_on_problems(problems, "The restored optimizer state")
   return state
+
+
+def _sharding_hint(want: dict[str, Any], got: dict[str, Any]) -> str:
+  """Names a replicated/sharded inner state mismatch, or shards of another device count."""
+  sharded = lambda paths: any(".inner_state.inner." in f".{p}" for p in paths)
+  if sharded(want) != sharded(got):
+    how = lambda s: "sharded (shard_optimizer=True)" if s else "replicated"
+    return (
+      f"\nThe restored inner state is {how(sharded(got))}, this tx's is {how(sharded(want))}: "
+      "restore with the accumulate(..., shard_optimizer=...) that wrote it."
+    )
+  differs = [
+    p for p in want.keys() & got.keys()
+    if ".inner_state.inner." in f".{p}" and tuple(want[p].shape)[-1:] != tuple(got[p].shape)[-1:]
+  ]  # fmt: skip
+  if differs:
+    return (
+      "\nThe inner state's shards (shard_optimizer=True) have other sizes: the checkpoint was "
+      "written on another number of devices. Restore it on a mesh of the same size."
+    )
+  return ""
 
 
 class _Leaf:

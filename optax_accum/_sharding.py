@@ -14,6 +14,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_accum._state import map_per_device, map_states
+from optax_accum._zero import UnboundAxisError
 
 PyTree = Any
 
@@ -127,19 +128,59 @@ def init_sharded(
   if axis_name is None:
     return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
   mesh = _mesh_of(params, axis_name)
-  replicated = jax.tree.map(lambda p: _spec_on(p, mesh), params)
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  # Manual over axis_name only: the mesh's other axes (fsdp in HSDP) stay the compiler's.
+  manual = {"axis_names": set(axes)} if set(mesh.axis_names) - set(axes) else {}
+  replicated = jax.tree.map(lambda _: PartitionSpec(), params)
   # The state's structure (not its shapes) says which leaves are per device.
   shape = jax.eval_shape(
     jax.shard_map(
-      tx.init, mesh=mesh, in_specs=(replicated,), out_specs=PartitionSpec(), check_vma=False
+      tx.init,
+      mesh=mesh,
+      in_specs=(replicated,),
+      out_specs=PartitionSpec(),
+      check_vma=False,
+      **manual,
     ),  # fmt: skip
     params,
   )
   specs = window_specs(shape, axis_name)
   init = jax.shard_map(
-    lambda p: stacked_state(tx.init(p)), mesh=mesh, in_specs=(replicated,), out_specs=specs
+    lambda p: stacked_state(tx.init(p)),
+    mesh=mesh,
+    in_specs=(replicated,),
+    out_specs=specs,
+    **manual,
   )
   return jax.jit(init)(params)
+
+
+def on_mesh(fn, params: PyTree, shapes: bool = False, like: PyTree = None) -> Any:
+  """``fn(params)`` (which calls ``tx.init``), or, for a ``tx`` that makes its state inside
+  ``shard_map`` (``shard_optimizer=True``), ``fn`` inside ``shard_map`` over the params' mesh
+  (each device's block: what one device holds). ``shapes``: ``jax.eval_shape`` of it; ``like``:
+  where to read the mesh from when ``params`` are traced (the params themselves by default)."""
+  call = (lambda f, *a: jax.eval_shape(f, *a)) if shapes else (lambda f, *a: f(*a))
+  like = params if like is None else like
+  try:
+    return call(fn, params)
+  except UnboundAxisError as e:
+    mesh = next(
+      (p.sharding.mesh for p in jax.tree.leaves(like)
+       if isinstance(getattr(p, "sharding", None), NamedSharding)),
+      None,
+    )  # fmt: skip
+    if mesh is None:
+      raise ValueError(
+        "this tx keeps 1/n of its inner state per device (shard_optimizer=True): pass the "
+        "params placed on the mesh (jax.Array or ShapeDtypeStruct with a NamedSharding), so "
+        "that the number of devices is known."
+      ) from e
+    specs = jax.tree.map(lambda p: _spec_on(p, mesh), like)
+    body = jax.shard_map(
+      fn, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(), check_vma=False
+    )
+    return call(body, params)
 
 
 def _mesh_of(params: PyTree, axis_name: str | tuple[str, ...]) -> jax.sharding.Mesh:

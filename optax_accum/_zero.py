@@ -94,25 +94,56 @@ REPLICATED = _Replicated()
 # --------------------------------------------------------------------------- ZeRO-1
 
 
-def _shard_size(size: int, n: int) -> int:
-  return max(1, math.ceil(size / n))
+class Layout(NamedTuple):
+  """How a leaf is cut: ``n`` devices over ``axis_name``, this one at ``index``; in HSDP the
+  mesh's other (compiler-managed) axes ``auto`` (``k`` devices) shard each piece further."""
 
+  n: int
+  index: jax.Array
+  auto: tuple[str, ...]
+  k: int
 
-def _index(axis_name) -> jax.Array:
-  return jax.lax.axis_index(axis_name)
+  @classmethod
+  def here(cls, axis_name) -> Layout:
+    """The layout inside the ``shard_map`` over ``axis_name`` being traced."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()))
+    auto = tuple(a for a in names if a not in axes)
+    k = math.prod(mesh.shape[a] for a in auto) if auto else 1
+    return cls(jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name), auto, k)
 
+  def m(self, size: int) -> int:
+    """Elements of a leaf of ``size`` per device: ``ceil(size / n)``, a multiple of ``k``."""
+    return max(1, math.ceil(size / (self.n * self.k))) * self.k
 
-def local_slice(x: jax.Array, n: int, index: jax.Array) -> jax.Array:
-  """This device's ``1/n`` of ``x``, flattened and zero-padded: shape ``(ceil(size / n),)``."""
-  m = _shard_size(x.size, n)
-  flat = jnp.ravel(x)
-  flat = jnp.pad(flat, (0, n * m - flat.size))
-  return jax.lax.dynamic_slice_in_dim(flat, index * m, m)
+  def constrain(self, x: jax.Array) -> jax.Array:
+    """``x`` (a shard) sharded over the other axes too (HSDP: 1/replica, then 1/fsdp)."""
+    if not self.auto:
+      return x
+    if not hasattr(jax.lax, "pcast"):  # JAX < 0.8 cannot constrain an Auto axis in shard_map
+      raise ValueError(
+        f"shard_optimizer=True inside a shard_map manual over some axes only (HSDP: the other "
+        f"axes {self.auto} left to the compiler) needs jax >= 0.8, which can shard each piece "
+        "over them too. Upgrade jax, or use shard_optimizer=False (the inner state stays "
+        "sharded over those axes, replicated over the manual one)."
+      )
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(self.auto))
+
+  def slice(self, x: jax.Array) -> jax.Array:
+    """This device's piece of ``x``, flattened and zero-padded: shape ``(m(size),)``."""
+    m = self.m(x.size)
+    flat = jnp.pad(jnp.ravel(x), (0, self.n * m - x.size))
+    return self.constrain(jax.lax.dynamic_slice_in_dim(flat, self.index * m, m))
 
 
 def _valid(size: int, m: int, index: jax.Array) -> jax.Array:
   """Which of this device's ``m`` shard elements are real (not padding)."""
   return index * m + jnp.arange(m) < size
+
+
+class UnboundAxisError(ValueError):
+  """A ZeRO-1 ``accumulate`` made or updated outside a ``shard_map`` over its ``axis_name``."""
 
 
 class Sharded(NamedTuple):
@@ -122,21 +153,17 @@ class Sharded(NamedTuple):
 
   sharded = True
 
-  @property
-  def n(self) -> int:
-    return jax.lax.axis_size(self.axis_name)
-
   def init(self, inner, params):
     """The inner optimizer's state for this device's shard (its non-scalar leaves ``1/n``)."""
     self.check_bound()
-    return run_on_shards(inner.init, (params,), self.axis_name, _index(self.axis_name), self.n)
+    return run_on_shards(inner.init, (params,), self.axis_name, Layout.here(self.axis_name))
 
   def local(self, params):
     """This device's shard of each (replicated) param."""
     if params is None:
       return None
-    index = _index(self.axis_name)
-    return jax.tree.map(lambda p: local_slice(p, self.n, index), params)
+    layout = Layout.here(self.axis_name)
+    return jax.tree.map(layout.slice, params)
 
   def wrap(self, inner_state):
     from optax_accum._state import Shards
@@ -149,12 +176,13 @@ class Sharded(NamedTuple):
   def whole(self, inner, inner_state, like):
     """The inner state's full shapes (what the inner optimizer is traced on)."""
     del inner_state
-    return jax.eval_shape(inner.init, like)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), like)
+    return jax.eval_shape(inner.init, shapes)
 
   def check_bound(self):
     """Raises unless the ZeRO-1 axis is bound here (``init`` and ``update`` in ``shard_map``)."""
     if not _vma.bound(self.axis_name):
-      raise ValueError(
+      raise UnboundAxisError(
         f"accumulate(..., axis_name={self.axis_name!r}, shard_optimizer=True) keeps 1/n of the "
         "inner state on each device, so its state is made and updated inside jax.shard_map "
         "over that axis: make it with optax_accum.sharding.init_sharded(tx, params) (params "
@@ -166,12 +194,13 @@ class Sharded(NamedTuple):
     scalar all-reduce of the window's other sums with the shards' squares and non-finite counts
     per leaf group (the global norm and finite check need nothing else)."""
     leaves, treedef = jax.tree.flatten(grads)
-    n = self.n
-    blocks = []
+    layout = Layout.here(self.axis_name)
+    n, blocks = layout.n, []
     for x in leaves:
-      m = _shard_size(x.size, n)
+      m = layout.m(x.size)
       blocks.append(jnp.pad(jnp.ravel(x), (0, n * m - x.size)).reshape(n, m))
-    shards = jax.tree.unflatten(treedef, _reduce_scatter_by_dtype(blocks, self.axis_name))
+    out = _reduce_scatter_by_dtype(blocks, self.axis_name)
+    shards = jax.tree.unflatten(treedef, [layout.constrain(x) for x in out])
     split = agg.split(shards)
     local = [_squares_and_bad([jax.tree.leaves(shards)[i] for i in idx]) for idx, _ in split.groups]
     rest, parts = jax.lax.psum((rest, local), self.axis_name)
@@ -200,22 +229,20 @@ class Sharded(NamedTuple):
 
   def like(self, tree):
     """Shapes and dtypes of ``tree``'s leaves as this device's flat shards."""
-    n = self.n
+    layout = Layout.here(self.axis_name)
     return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((_shard_size(math.prod(x.shape), n),), x.dtype), tree
+      lambda x: jax.ShapeDtypeStruct((layout.m(math.prod(x.shape)),), x.dtype), tree
     )
 
   def update(self, inner, mean, inner_state, params, args):
     """``inner.update`` traced on the full shapes, run on this device's shards."""
-    index = _index(self.axis_name)
     logical = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
     fn = lambda g, s, p: inner.update(g, s, p, **args)
     return run_on_shards(
       fn,
       (mean, inner_state, params),
       self.axis_name,
-      index,
-      self.n,
+      Layout.here(self.axis_name),
       logical=(logical, jax.eval_shape(inner.init, logical), logical),
       pre_sharded=(True, True, False),
     )
@@ -276,7 +303,7 @@ def _all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
     public = getattr(parallel, "all_gather_invariant", None)
   if public is not None:
     return public(x, axis_name, tiled=True)
-  n, index = jax.lax.axis_size(axis_name), _index(axis_name)
+  n, index = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
   placed = jax.lax.dynamic_update_slice_in_dim(
     jnp.zeros((n * x.shape[0],), x.dtype), x, index * x.shape[0], 0
   )
@@ -318,6 +345,8 @@ ELEMENTWISE = frozenset(
   "reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan "
   "tanh xor".split()
 )
+# Placement annotations: the values are unchanged, and so are the shards.
+_IDENTITY = frozenset({"reshard", "sharding_constraint", "mesh_cast", "optimization_barrier"})
 _REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -330,8 +359,7 @@ def run_on_shards(
   fn: Callable[..., Any],
   args: tuple,
   axis_name: Any,
-  index: jax.Array,
-  n: int,
+  layout: Layout,
   logical: tuple | None = None,
   pre_sharded: tuple | None = None,
 ) -> Any:
@@ -355,8 +383,8 @@ def run_on_shards(
       if len(s.shape) == 0:
         flat_args.append(x)
       else:
-        flat_args.append(_Shard(x if done else local_slice(x, n, index), tuple(s.shape)))
-  ctx = _Context(axis_name, index, n)
+        flat_args.append(_Shard(x if done else layout.slice(x), tuple(s.shape)))
+  ctx = _Context(axis_name, layout)
   outs = ctx.eval(closed.jaxpr, closed.consts, flat_args)
   outs = [ctx.to_shard(o) if jnp.ndim(_data(o)) and not isinstance(o, _Shard) else o for o in outs]
   outs = [o.data if isinstance(o, _Shard) else o for o in outs]
@@ -406,15 +434,14 @@ def _bind_params(eqn) -> tuple[list, dict]:
 
 class _Context(NamedTuple):
   axis_name: Any
-  index: jax.Array
-  n: int
+  layout: Layout
 
   def to_shard(self, x: jax.Array, shape: tuple[int, ...] | None = None) -> _Shard:
     """A whole (replicated) value as this device's shard of it."""
     x = jnp.asarray(x)
     if shape is not None and tuple(x.shape) != tuple(shape):
       x = jnp.broadcast_to(x, shape)
-    return _Shard(local_slice(x, self.n, self.index), tuple(x.shape))
+    return _Shard(self.layout.slice(x), tuple(x.shape))
 
   def eval(self, jaxpr, consts, args) -> list[Any]:
     from jax.extend.core import Literal
@@ -473,6 +500,8 @@ class _Context(NamedTuple):
       data = _agree([self._operand(x, shape, name) for x in ins])
       out = eqn.primitive.bind(*data, **eqn.params)
       return _Shard(out, shape)
+    if name in _IDENTITY and len(ins) == 1:
+      return ins[0]
     if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
       (x, *rest) = ins
       new_shape = tuple(eqn.outvars[0].aval.shape)
@@ -510,7 +539,7 @@ class _Context(NamedTuple):
     """A reduction over every element of ``x``: over the shard's real elements, then across the
     devices (a sum stays a partial sum until it is used)."""
     m = x.data.shape[0]
-    valid = _valid(x.size, m, self.index)
+    valid = _valid(x.size, m, self.layout.index)
     dtype = x.data.dtype
     if kind == "sum":
       return _Partial(jnp.sum(jnp.where(valid, x.data, jnp.zeros((), dtype))))
@@ -524,8 +553,8 @@ class _Context(NamedTuple):
 
   def _refuse(self, name: str, what: str) -> ShardError:
     return ShardError(
-      f"accumulate(..., shard_optimizer=True) runs the inner optimizer on 1/{self.n} of each "
-      f"leaf, but it applies {name!r}, which {what}: it cannot run on shards (factored "
+      f"accumulate(..., shard_optimizer=True) runs the inner optimizer on 1/{self.layout.n} of "
+      f"each leaf, but it applies {name!r}, which {what}: it cannot run on shards (factored "
       "adafactor and muon, for example). Use shard_optimizer=False for this inner optimizer "
       "(every device then runs it on the whole window), or one that treats elements "
       "independently (adam, adamw, sgd, lion) with global norms (clip_by_global_norm)."

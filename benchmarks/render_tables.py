@@ -2,8 +2,8 @@
 
 The numbers in README.md between ``<!-- microstep-table:begin -->`` and
 ``<!-- microstep-table:end -->`` (and the ``eager-table`` markers), in docs/in_step.md
-between the ``mesh-table`` markers and in docs/scaling.md between the ``hsdp-table``
-markers are never edited by hand: run the benchmarks, then this script.
+between the ``mesh-table`` markers and in docs/scaling.md between the ``hsdp-table`` and
+``zero1-table`` markers are never edited by hand: run the benchmarks, then this script.
 
   python benchmarks/microstep.py --sizes 4e6 16e6 --inner adam adamw --every-k 4 16 \\
       --out benchmarks/results/microstep.json
@@ -31,6 +31,11 @@ IN_STEP_DOC = ROOT / "docs" / "in_step.md"
 SCALING_DOC = ROOT / "docs" / "scaling.md"
 MESH = ("<!-- mesh-table:begin -->", "<!-- mesh-table:end -->")
 HSDP = ("<!-- hsdp-table:begin -->", "<!-- hsdp-table:end -->")
+ZERO1 = ("<!-- zero1-table:begin -->", "<!-- zero1-table:end -->")
+ZERO1_ROWS = [
+  ("across_step_shard_map", "replicated inner optimizer (`shard_optimizer=False`)"),
+  ("across_step_shard_map_zero1", "ZeRO-1 (`shard_optimizer=True`)"),
+]
 # (key, label, where the collectives run) of train_step.py's mesh rows, in order.
 MESH_ROWS = [
   ("physical", "physical batch, `jit`", "after the backward pass"),
@@ -233,6 +238,33 @@ def render_hsdp(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def render_zero1(report: dict[str, Any]) -> str:
+  """docs/scaling.md's table of the across-step rows with and without ZeRO-1."""
+  rows, n = report["mesh"]["variants"], report["mesh"]["devices"]
+  lines = [
+    f"| {_model(report)}, {n} devices | collectives at the boundary | bytes each device sends"
+    " per window (ring) | inner state bytes per device | compiled temp"
+    " | ms per window, median (p25-p75) |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
+  for key, label in ZERO1_ROWS:
+    v = rows[key]
+    kinds = v["collectives"]["in_conditional"]
+    where = ", ".join(f"{c} {kind}" for kind, c in sorted(kinds.items()))
+    lines.append(
+      f"| {label} | {where} | {v['ring_bytes_per_window']:,}"
+      f" | {v['inner_state_bytes_per_device']:,} | {_mib(v['temp_bytes'])} | {_timing(v)} |"
+    )
+  lines += [
+    "",
+    "Bytes sent per device on a ring: an all-reduce of `S` bytes sends `2 (n-1)/n S`, a"
+    " reduce-scatter and an all-gather `(n-1)/n S` each. Fake CPU devices: the times measure"
+    " compute, not a network. Source: `benchmarks/results/train_step_8dev.json`, rendered by"
+    " `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
 def block(text: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
   """The README's current block between the markers."""
   start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
@@ -247,6 +279,7 @@ def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
     (README, EAGER, render_eager(json.loads(EAGER_JSON.read_text()))),
     (IN_STEP_DOC, MESH, render_mesh(train_step)),
     (SCALING_DOC, HSDP, render_hsdp(train_step)),
+    (SCALING_DOC, ZERO1, render_zero1(train_step)),
   ]
 
 

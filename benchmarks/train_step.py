@@ -28,6 +28,12 @@ on a ``data`` axis and the params replicated:
   without ``axis_name`` (the compiler all-reduces every microbatch's gradient).
 * ``in_step_jit``: the same with ``axis_name='data'`` (one reduction after the scan).
 * ``in_step_shard_map``: inside ``jax.shard_map`` with ``axis_name='data'``.
+* ``across_step_shard_map_zero1``: the across-step recipe with ``shard_optimizer=True`` (ZeRO-1:
+  a reduce-scatter and an all-gather at the boundary, ``1/D`` of Adam's state per device).
+
+The across-step rows also report the bytes each device sends in the window's collectives
+(``bytes_per_window``) and the inner optimizer's state bytes one device holds
+(``inner_state_bytes_per_device``).
 
 With at least 4 devices, the ``hsdp`` rows (``benchmarks/train_step_hsdp.py``) run the window
 on a ``replica`` x ``fsdp`` mesh (``--replica`` replicas, 2 by default): physical batch,
@@ -155,6 +161,16 @@ def _collectives(compiled: Any, every_k: int, calls: int) -> dict[str, Any]:
   }
 
 
+def ring_bytes(by_kind: dict[str, int], n: int) -> int:
+  """Bytes one device sends for these collectives on a ring of ``n`` devices (``by_kind``: each
+  collective's result bytes per device, ``count_collectives(unit='bytes')``): an all-reduce of
+  ``S`` sends ``2 (n-1)/n S``, a reduce-scatter to ``s`` sends ``(n-1) s``, an all-gather to
+  ``S`` sends ``(n-1)/n S`` (so a reduce-scatter plus an all-gather sends what an all-reduce
+  does)."""
+  share = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1, "all-gather": (n - 1) / n}
+  return round(sum(share.get(kind, 0) * b for kind, b in by_kind.items()))
+
+
 def mesh_rows(args: Any, loss_fn: Any, params0: Any, window: Any, inner: Any) -> dict:
   """The window on a ``data`` mesh axis over every device, params replicated."""
   k, axis = args.every_k, "data"
@@ -210,38 +226,54 @@ def mesh_rows(args: Any, loss_fn: Any, params0: Any, window: Any, inner: Any) ->
         "collectives": _collectives(compiled, k, calls),
       }
 
-  # Across-step: accumulate(..., axis_name) in shard_map, window sums on a device axis.
-  tx = optax_accum.accumulate(inner, every_k=k, axis_name=axis)
-  acc_state = optax_accum.sharding.stack_windows(tx.init(params0), mesh, axis)
-  specs = optax_accum.sharding.window_specs(acc_state, axis)
+  # Across-step: accumulate(..., axis_name) in shard_map, window sums on a device axis; and
+  # the same with ZeRO-1 (shard_optimizer=True): the inner state 1/D per device.
+  for name, shard in (("across_step_shard_map", False), ("across_step_shard_map_zero1", True)):
+    tx = optax_accum.accumulate(inner, every_k=k, axis_name=axis, shard_optimizer=shard)
+    acc_state = optax_accum.sharding.init_sharded(tx, params, axis)
+    specs = optax_accum.sharding.window_specs(acc_state, axis)
 
-  def microstep(params, opt_state, batch):
-    opt_state = optax_accum.sharding.local_state(opt_state)
-    local = jax.lax.pcast(params, axis, to="varying")
-    loss, grads = jax.value_and_grad(loss_fn)(local, batch)
-    updates, opt_state = tx.update(grads, opt_state, params, weight=tokens(batch), value=loss)
-    new = optax.apply_updates(params, updates), optax_accum.sharding.stacked_state(opt_state)
-    return *new, loss[None]  # each device's own loss: no collective outside the boundary
+    def microstep(params, opt_state, batch, tx=tx):
+      opt_state = optax_accum.sharding.local_state(opt_state)
+      local = jax.lax.pcast(params, axis, to="varying")
+      loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+      params, opt_state = optax_accum.update_and_apply(
+        tx, grads, opt_state, params, weight=tokens(batch), value=loss
+      )
+      new = params, optax_accum.sharding.stacked_state(opt_state)
+      return *new, loss[None]  # each device's own loss: no collective outside the boundary
 
-  across = donated(
-    jax.shard_map(
-      microstep, mesh=mesh, in_specs=(P(), specs, P(axis)), out_specs=(P(), specs, P(axis))
+    across = donated(
+      jax.shard_map(
+        microstep, mesh=mesh, in_specs=(P(), specs, P(axis)), out_specs=(P(), specs, P(axis))
+      )
     )
-  )
-  across_c = across.lower(params, acc_state, micro[0]).compile()
+    across_c = across.lower(params, acc_state, micro[0]).compile()
 
-  def across_window(p, s):
-    for m in micro:
-      p, s, _ = across_c(p, s, m)
-    return p, s, optax_accum.metrics(s).window_loss
+    def across_window(p, s, c=across_c):
+      for m in micro:
+        p, s, _ = c(p, s, m)
+      return p, s, optax_accum.metrics(s).window_loss
 
-  runs["across_step_shard_map"] = {
-    "calls": across_window,
-    "params": params,
-    "state": acc_state,
-    "memory": memory(across_c),
-    "collectives": _collectives(across_c, k, calls=k),
-  }
+    moved = count_collectives(across_c.as_text(), unit="bytes")
+    n = jax.device_count()
+    runs[name] = {
+      "calls": across_window,
+      "params": params,
+      "state": acc_state,
+      "memory": memory(across_c),
+      "collectives": {
+        **_collectives(across_c, k, calls=k),
+        "bytes_per_window": k * sum(moved["outside"].values())
+        + sum(moved["in_conditional"].values()),
+        "bytes_by_collective": {w: dict(c) for w, c in moved.items()},
+        "ring_bytes_per_window": ring_bytes(moved["in_conditional"], n)
+        + k * ring_bytes(moved["outside"], n),
+        "inner_state_bytes_per_device": sum(
+          x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(acc_state.inner_state)
+        ),
+      },
+    }
   return time_runs(runs, params, args.rounds, _placed_copy)
 
 

@@ -45,6 +45,7 @@ def test_train_step_mesh_rows(tmp_path):
   assert set(rows) == {
     "physical",
     "across_step_shard_map",
+    "across_step_shard_map_zero1",
     "in_step_jit_per_microbatch",
     "in_step_jit",
     "in_step_shard_map",
@@ -62,6 +63,17 @@ def test_train_step_mesh_rows(tmp_path):
   assert across["outside"] == {} and across["in_conditional"] == {"all-reduce": 1}
   assert rows["across_step_shard_map"]["collectives_per_window"] == 1
   assert rows["in_step_jit_per_microbatch"]["collectives_per_window"] >= k
+  # ZeRO-1 (issue 39): a reduce-scatter and an all-gather at the boundary, the ring bytes of the
+  # all-reduce (within 1%), 1/8 of the inner state per device (plus padding and Adam's count).
+  zero = rows["across_step_shard_map_zero1"]
+  boundary = zero["collectives"]["in_conditional"]
+  assert (boundary["reduce-scatter"], boundary["all-gather"]) == (1, 1)
+  assert zero["collectives"]["outside"] == {}
+  replicated = rows["across_step_shard_map"]
+  ratio = zero["ring_bytes_per_window"] / replicated["ring_bytes_per_window"]
+  assert abs(ratio - 1) < 0.01, ratio
+  per_device = zero["inner_state_bytes_per_device"] / replicated["inner_state_bytes_per_device"]
+  assert 1 / 8 <= per_device < 1 / 8 + 0.01, per_device
   # HSDP: replica 2 x fsdp 4.
   hsdp = report["hsdp"]
   assert hsdp["mesh"] == {"replica": 2, "fsdp": 4}

@@ -122,6 +122,7 @@ PRINTS = {
     "The restored optimizer state was written by a run without optax_accum.accumulate, and tx "
     "is with it",
   ],
+  "scaling.md": [r"\(8, 4\) \(1, 4\)"],  # ZeRO-1: each device holds 4 of w's 32 moments
   "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],
   "in_step.md": _shown("in_step.md", "print(report)"),
 }

@@ -225,3 +225,66 @@ def test_a_mid_window_checkpoint_resumes_bitwise_and_another_device_count_is_ref
   params4 = jax.device_put(jax.device_get(params), NamedSharding(four, P()))
   with pytest.raises(ValueError, match=r"written on another number of devices"):
     optax_accum.sharding.check_compatible(tx, params4, meta, stacked=True)
+
+
+@pytest.mark.skipif(not hasattr(jax.lax, "pcast"), reason="HSDP sharding of the pieces: jax >= 0.8")
+def test_hsdp_shards_the_inner_state_over_replica_and_fsdp():
+  """replica 2 x fsdp 4, manual over replica: the params equal the replicated HSDP run's, and
+  each device holds 1/8 of Adam's moments (the HSDP recipe alone: 1/4)."""
+  from jax.sharding import AxisType
+
+  mesh = jax.make_mesh((2, 4), ("replica", "fsdp"), axis_types=(AxisType.Explicit, AxisType.Auto))
+  placement = {"w": NamedSharding(mesh, P("fsdp", None)), "b": NamedSharding(mesh, P())}
+  params0 = {"w": jnp.arange(128.0).reshape(16, 8) / 100, "b": jnp.zeros(8)}
+
+  def loss(params, batch):
+    err = ((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2).mean(axis=-1)
+    return (err * batch["mask"]).sum() / jnp.maximum(batch["mask"].sum(), 1)
+
+  rng = np.random.default_rng(0)
+  batches = [
+    jax.device_put(
+      {"x": rng.normal(size=(32, 16)).astype(np.float32),
+       "y": rng.normal(size=(32, 8)).astype(np.float32),
+       "mask": (rng.random(32) < 0.7).astype(np.float32)},
+      NamedSharding(mesh, P(("replica", "fsdp"))),
+    )
+    for _ in range(8)
+  ]  # fmt: skip
+  out = {}
+  for shard in (False, True):
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    tx = optax_accum.accumulate(inner, 4, axis_name="replica", shard_optimizer=shard)
+    params = jax.device_put(params0, placement)
+    if shard:
+      state = optax_accum.sharding.init_sharded(tx, params, "replica")
+    else:
+      state = optax_accum.sharding.init_sharded(tx, params)
+      state = optax_accum.sharding.stack_windows(state, mesh, "replica")
+    specs = optax_accum.sharding.window_specs(state, "replica")
+
+    def body(params, state, batch, tx=tx):
+      state = optax_accum.sharding.local_state(state)
+      local = _compat.pcast_varying(params, "replica")
+      grads = jax.grad(loss)(local, batch)
+      params, state = optax_accum.update_and_apply(
+        tx, grads, state, params, weight=batch["mask"].sum()
+      )
+      return params, optax_accum.sharding.stacked_state(state)
+
+    step = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh,
+        axis_names={"replica"},
+        in_specs=(P(), specs, P("replica")),
+        out_specs=(P(), specs),
+      )
+    )
+    for b in batches:
+      params, state = step(params, state, b)
+    inner_state = state.inner_state.inner if shard else state.inner_state
+    mu = inner_state[1][0].mu["w"]
+    out[shard] = (params, mu.addressable_shards[0].data.size)
+  chex.assert_trees_all_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-7)
+  assert (out[False][1], out[True][1]) == (128 // 4, 128 // 8)

@@ -1,10 +1,13 @@
-"""The HSDP rows of ``benchmarks/train_step.py`` on real accelerators; prints a JSON report.
+"""The HSDP and ZeRO-1 rows of ``benchmarks/train_step.py`` on real accelerators; prints a JSON.
 
 Never needed by the tests. On a machine (or a cluster) with accelerators, it runs the same
 window as ``train_step.py``'s ``hsdp`` rows (physical batch, across-step under plain ``jit``,
 across-step with the HSDP ``shard_map`` recipe, in-step with ``axis_name='replica'``) on a
 ``replica`` x ``fsdp`` mesh of every device, ordered by process, and prints each row's
-collectives per window by mesh axis, bytes across ``replica`` per window and window times.
+collectives per window by mesh axis, bytes across ``replica`` per window and window times; and
+its ``mesh`` rows on a ``data`` axis over every device (with more than one device), among them
+the across-step recipe with and without ZeRO-1 (``shard_optimizer=True``): ring bytes per window
+and inner-state bytes per device.
 
   python benchmarks/hsdp_device.py                    # one host: 2 replicas of its devices
   python benchmarks/hsdp_device.py --distributed      # every host runs it; a replica per host
@@ -69,11 +72,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loss_fn, params0, window, optax.adam(1e-3), args.every_k, replica
   )
   variants = train_step.time_runs(runs, params, args.rounds, train_step._placed_copy)
+  mesh = None
+  if jax.device_count() > 1 and args.batch % (args.every_k * jax.device_count()) == 0:
+    mesh = train_step.mesh_rows(args, loss_fn, params0, window, optax.adam(1e-3))
   report = {
     **plan,
     "machine": machine(),
     "num_params": int(sum(x.size for x in jax.tree.leaves(params0))),
     "variants": variants,
+    "mesh": mesh,
   }
   if jax.process_index() == 0:
     print(json.dumps(report, indent=1))

@@ -163,7 +163,7 @@ class Sharded(NamedTuple):
     if params is None:
       return None
     layout = Layout.here(self.axis_name)
-    return jax.tree.map(layout.slice, params)
+    return jax.tree.map(lambda p: layout.slice(p) if jnp.ndim(p) else p, params)
 
   def wrap(self, inner_state):
     from optax_accum._state import Shards
@@ -195,26 +195,35 @@ class Sharded(NamedTuple):
     per leaf group (the global norm and finite check need nothing else)."""
     leaves, treedef = jax.tree.flatten(grads)
     layout = Layout.here(self.axis_name)
-    n, blocks = layout.n, []
-    for x in leaves:
-      m = layout.m(x.size)
-      blocks.append(jnp.pad(jnp.ravel(x), (0, n * m - x.size)).reshape(n, m))
-    out = _reduce_scatter_by_dtype(blocks, self.axis_name)
-    shards = jax.tree.unflatten(treedef, [layout.constrain(x) for x in out])
-    split = agg.split(shards)
-    local = [_squares_and_bad([jax.tree.leaves(shards)[i] for i in idx]) for idx, _ in split.groups]
-    rest, parts = jax.lax.psum((rest, local), self.axis_name)
-    return shards, rest, parts
+    pieces = [i for i, x in enumerate(leaves) if x.ndim]  # scalar leaves stay whole
+    blocks = []
+    for i in pieces:
+      x, m = leaves[i], layout.m(leaves[i].size)
+      blocks.append(jnp.pad(jnp.ravel(x), (0, layout.n * m - x.size)).reshape(layout.n, m))
+    out = list(leaves)
+    for i, o in zip(pieces, _reduce_scatter_by_dtype(blocks, self.axis_name), strict=True):
+      out[i] = layout.constrain(o)
+    split = agg.split(grads)
+    sharded = lambda idx: [out[i] for i in idx if leaves[i].ndim]  # whole scalars: added later
+    local = [_squares_and_bad(sharded(idx)) for idx, _ in split.groups]
+    scalars = [out[i] for i, x in enumerate(leaves) if not x.ndim]
+    rest, parts, scalars = jax.lax.psum((rest, local, scalars), self.axis_name)
+    for i, s in zip([i for i, x in enumerate(leaves) if not x.ndim], scalars, strict=True):
+      out[i] = s
+    return jax.tree.unflatten(treedef, out), rest, parts
 
   def norm_and_finite(self, split, g_sum, d, scale, like, parts):
     """The global norm and finite check from the all-reduced parts; the fit of the mean in a
     16-bit dtype (only then) from one more scalar all-reduce."""
     sq = jnp.zeros((), _numerics.scalar_dtype())
     finite = jnp.ones((), jnp.bool_)
-    for (_, kind), (sq_g, bad_g) in zip(split.groups, parts, strict=True):
+    leaves = jax.tree.leaves(g_sum)
+    for (idx, kind), (sq_g, bad_g) in zip(split.groups, parts, strict=True):
+      whole = [leaves[i] for i in idx if leaves[i].ndim == 0]  # the same on every device
+      sq_w, bad_w = _squares_and_bad(whole)
       div = split._divisor(kind, d, scale).astype(sq_g.dtype)
-      sq = sq + sq_g / jnp.square(div)
-      finite = finite & (bad_g == 0)
+      sq = sq + (sq_g + sq_w) / jnp.square(div)
+      finite = finite & (bad_g == 0) & (bad_w == 0)
     norm = jnp.sqrt(sq)
     finite = finite & jnp.isfinite(norm)
     narrow = [
@@ -230,9 +239,8 @@ class Sharded(NamedTuple):
   def like(self, tree):
     """Shapes and dtypes of ``tree``'s leaves as this device's flat shards."""
     layout = Layout.here(self.axis_name)
-    return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((layout.m(math.prod(x.shape)),), x.dtype), tree
-    )
+    piece = lambda x: (layout.m(math.prod(x.shape)),) if len(x.shape) else ()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(piece(x), x.dtype), tree)
 
   def update(self, inner, mean, inner_state, params, args):
     """``inner.update`` traced on the full shapes, run on this device's shards."""
@@ -255,9 +263,12 @@ class Sharded(NamedTuple):
     """One all-gather of the update shards: the full updates, the same on every device."""
     leaves, treedef = jax.tree.flatten(updates)
     targets = jax.tree.leaves(like)
-    full = _all_gather_by_dtype(leaves, self.axis_name)
+    # A scalar leaf is whole on every device (but typed per device, from the per-device state):
+    # its copies ride in the same all-gather, and every device takes the first.
+    pieces = [jnp.reshape(x, (-1,)) for x in leaves]
+    full = _all_gather_by_dtype(pieces, self.axis_name)
     out = [
-      x.reshape(-1)[: math.prod(t.shape)].reshape(t.shape)
+      x.reshape(-1)[: math.prod(t.shape)].reshape(t.shape) if len(t.shape) else x[0]
       for x, t in zip(full, targets, strict=True)
     ]
     return jax.tree.unflatten(treedef, out)

@@ -68,14 +68,19 @@ WORKER = COMMON + textwrap.dedent(
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  tx = optax_accum.accumulate(optax.adam(0.1), %(every_k)d, axis_name="data")
+  shard = sys.argv[4] == "zero1"  # ZeRO-1: the inner state 1/4 per device, made in shard_map
+  tx = optax_accum.accumulate(optax.adam(0.1), %(every_k)d, axis_name="data",
+                              shard_optimizer=shard)
 
   def global_array(x, spec):
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 
   params = jax.tree.map(lambda x: global_array(x, P()), PARAMS0)
-  opt_state = optax_accum.sharding.stack_windows(tx.init(PARAMS0), mesh, "data")
+  if shard:
+    opt_state = optax_accum.sharding.init_sharded(tx, params, "data")
+  else:
+    opt_state = optax_accum.sharding.stack_windows(tx.init(PARAMS0), mesh, "data")
   specs = optax_accum.sharding.window_specs(opt_state, "data")
 
   def body(params, opt_state, batch):
@@ -119,8 +124,9 @@ def single_process_reference():
 
 
 @pytest.mark.slow  # two processes start JAX and compile: about 20 s
-def test_two_processes_apply_the_single_process_update(tmp_path):
-  outs = run_workers(tmp_path, WORKER, 2, LOCAL_DEVICES, TIMEOUT_S)
+@pytest.mark.parametrize("optimizer", ["replicated", "zero1"])
+def test_two_processes_apply_the_single_process_update(tmp_path, optimizer):
+  outs = run_workers(tmp_path, WORKER, 2, LOCAL_DEVICES, TIMEOUT_S, extra=(optimizer,))
 
   results = [np.load(out) for out in outs]
   for r in results:  # every local device of every process holds the same bits

@@ -28,15 +28,19 @@ AXIS, N_DEV, TOKENS = "data", 8, 4
 
 
 def loss_fn(params, batch):
-  pred = batch["x"] @ params["w"] + params["b"]
+  pred = batch["x"] @ params["w"] + params["b"] + params["s"]
   per_token = 0.5 * jnp.sum((pred - batch["y"]) ** 2, axis=-1)
   return jnp.sum(jnp.where(batch["mask"], per_token, 0.0)) / jnp.maximum(batch["mask"].sum(), 1)
 
 
 def make_params(mesh):
-  """Leaves whose sizes do not divide by 8 (15 and 3): padded shards."""
+  """Leaves whose sizes do not divide by 8 (15 and 3): padded shards; a scalar leaf: whole."""
   rng = np.random.default_rng(1)
-  params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.zeros(3)}
+  params = {
+    "w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32),
+    "b": jnp.zeros(3),
+    "s": jnp.asarray(0.5, jnp.float32),
+  }
   return jax.device_put(params, NamedSharding(mesh, P()))
 
 
@@ -110,9 +114,9 @@ def test_inner_state_bytes_per_device_are_one_eighth():
     x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
   )  # one device's bytes
   rep, shd = per_device(replicated.inner_state), per_device(sharded.inner_state)
-  sizes = [15, 3]  # w, b: mu and nu of each, float32, padded to a multiple of 8
-  assert rep == 2 * 4 * sum(sizes) + 4  # + Adam's int32 count
-  assert shd == 2 * 4 * sum(math.ceil(s / N_DEV) for s in sizes) + 4
+  sizes = [15, 3]  # w, b: mu and nu of each, float32, padded to a multiple of 8; s whole
+  assert rep == 2 * 4 * (sum(sizes) + 1) + 4  # + Adam's int32 count
+  assert shd == 2 * 4 * (sum(math.ceil(s / N_DEV) for s in sizes) + 1) + 4
   assert shd < rep / 4
 
 

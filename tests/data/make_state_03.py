@@ -17,9 +17,6 @@ import optax
 
 import optax_accum
 
-assert optax_accum.__version__.startswith("0.3"), optax_accum.__version__
-
-
 def tx():
   return optax_accum.accumulate(
     optax.adam(0.05),
@@ -39,6 +36,7 @@ def data():
 
 
 def main():
+  assert optax_accum.__version__.startswith("0.3"), optax_accum.__version__
   t, (ys, ws) = tx(), data()
   params = {"w": jnp.zeros(3)}
   state = t.init(params)

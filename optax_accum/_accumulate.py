@@ -21,6 +21,7 @@ from optax_accum import (
   _aggregation,
   _buffers,
   _checks,
+  _equinox,
   _guard,
   _loss_scale,
   _noise_scale,
@@ -347,6 +348,7 @@ def _window_length(k: Any) -> jax.Array:
 def init(config: Config, params: PyTree) -> AccumulationState:
   """A fresh state: an empty window, zero counters, each feature's sub-state or ``EmptyState``."""
   pitfalls.check_params(params)
+  _equinox.check_params(params)
   agg = config.aggregation
   fp8 = "grad_amax_history" in agg.rules(params)
   if config.noise_decay is not None and agg.active(params):

@@ -38,6 +38,38 @@ CHECKS = {
       "  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)\n",
     ),
   ],
+  "equinox.md": [
+    (  # two windows of 4 microbatches: two AdamW steps on one jax.grad of each window's rows
+      "def train_step",
+      "ref_params, ref_static = eqx.partition(start, eqx.is_array)\n"
+      "ref_tx = optax.adamw(1e-2)\n"
+      "ref_state = ref_tx.init(ref_params)\n"
+      "for i in (0, 4):\n"
+      "  rows = {k: np.concatenate([mb[k] for mb in microbatches[i:i + 4]]) for k in batch}\n"
+      "  g = jax.grad(lambda p: loss_fn(eqx.combine(p, ref_static), rows))(ref_params)\n"
+      "  u, ref_state = ref_tx.update(g, ref_state, ref_params)\n"
+      "  ref_params = optax.apply_updates(ref_params, u)\n"
+      "for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),\n"
+      "                jax.tree.leaves(ref_params), strict=True):\n"
+      "  np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)\n",
+    ),
+    (
+      "def fused_step",
+      "for a, b in zip(jax.tree.leaves(eqx.filter(fused, eqx.is_array)),\n"
+      "                jax.tree.leaves(eqx.filter(model, eqx.is_array)), strict=True):\n"
+      "  np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)\n",
+    ),
+    (  # one AdamW step on one jax.grad of the 32 rows
+      "def in_step",
+      "p0, s0 = eqx.partition(start, eqx.is_array)\n"
+      "ref_loss, g = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, s0), window))(p0)\n"
+      "u, _ = optax.adamw(1e-2).update(g, optax.adamw(1e-2).init(p0), p0)\n"
+      "np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)\n"
+      "for a, b in zip(jax.tree.leaves(eqx.filter(stepped, eqx.is_array)),\n"
+      "                jax.tree.leaves(optax.apply_updates(p0, u)), strict=True):\n"
+      "  np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -70,6 +102,7 @@ PRINTS = {
   ],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
   "guards.md": ["29 1 0", "1"],
+  "equinox.md": ["2 updates", r"accumulate\(\.\.\.\)\.init got an eqx\.Module whose leaf .*"],
   "porting.md": [
     r"1 \d\.\d{3}",
     r"2 \d\.\d{3}",

@@ -70,6 +70,25 @@ CHECKS = {
       "  np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)\n",
     ),
   ],
+  "in_step.md": [
+    (  # optax.microbatching: SUM of a sum loss over the token count is the batch; MEAN is not
+      "from optax import microbatching",
+      "ref = jax.value_and_grad(loss_fn)(params, batch)\n"
+      "for got in (by_hand, weighted):\n"
+      "  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):\n"
+      "    assert jnp.allclose(a, b, rtol=1e-5, atol=1e-7), (a, b)\n"
+      "assert abs(mean_of_means[1]['w'] - ref[1]['w']).max() > 1e-2\n",
+    ),
+  ],
+  "performance.md": [
+    (  # one entry per window; each window's real tokens are its microbatches' unmasked tokens
+      "PEAK_FLOPS",
+      "assert len(windows) == 3 and int(optax_accum.metrics(opt_state).num_updates) == 3\n"
+      "for w, i in zip(windows, range(0, 3 * K, K)):\n"
+      "  assert w['real tokens'] == sum(int(mb['mask'].sum()) for mb in microbatches[i:i + K])\n"
+      "  assert 0 < w['MFU'] < 1 and w['tokens/s'] > 0\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -102,6 +121,12 @@ PRINTS = {
   ],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
   "guards.md": ["29 1 0", "1"],
+  "performance.md": ["3 3"],
+  "in_step.md": [
+    r"optax\.microbatching 1 0",
+    r"optax_accum, axis_name 0 1",
+    *[r".*"] * 9,  # the pre-flight check's table
+  ],
   "equinox.md": ["2 updates", r"accumulate\(\.\.\.\)\.init got an eqx\.Module whose leaf .*"],
   "porting.md": [
     r"1 \d\.\d{3}",

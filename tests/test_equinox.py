@@ -15,9 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from packaging.version import Version
 
 import optax_accum
 from optax_accum._equinox import check_params
+
+# Equinox segfaults with jax 0.7.0 and 0.7.1 (equinox issue 1084; equinox >= 0.13.1 refuses them,
+# so the oldest stack, jax 0.7.0, gets equinox 0.13.0): the compiled steps run on newer jax only.
+jax_equinox_supports = pytest.mark.skipif(
+  Version(jax.__version__) in (Version("0.7.0"), Version("0.7.1")),
+  reason="Equinox does not support jax 0.7.0 and 0.7.1 (equinox issue 1084)",
+)
 
 K = 4  # microbatches per window
 ROWS = 6  # rows per microbatch
@@ -82,6 +90,7 @@ def _assert_not_mean_of_means(microbatches):
   assert diff > 1e-3, diff
 
 
+@jax_equinox_supports
 def test_across_step_tx_update_and_eqx_apply_updates_equal_the_physical_batch():
   microbatches = _microbatches(2 * K)
   _assert_not_mean_of_means(microbatches)
@@ -103,6 +112,7 @@ def test_across_step_tx_update_and_eqx_apply_updates_equal_the_physical_batch():
   _assert_same_model(model, _physical_batch_run(microbatches))
 
 
+@jax_equinox_supports
 def test_across_step_update_and_apply_equals_the_physical_batch():
   microbatches = _microbatches(2 * K)
   params, static = eqx.partition(_model(), eqx.is_array)
@@ -119,6 +129,7 @@ def test_across_step_update_and_apply_equals_the_physical_batch():
   _assert_same_model(eqx.combine(params, static), _physical_batch_run(microbatches))
 
 
+@jax_equinox_supports
 def test_in_step_microbatched_value_and_grad_equals_the_physical_batch():
   microbatches = _microbatches(K)
   batch = _concat(microbatches)  # microbatch k takes rows k, k+K, ...: any split of these rows

@@ -236,24 +236,25 @@ def plan_microbatch(
 ) -> MicrobatchPlan:
   """The largest microbatch size whose compiled step fits a memory budget.
 
-  Compiles ``step_fn(*make_args(size))`` for a few sizes (:func:`compiled_peak_bytes`, nothing
-  runs): 4 compilations for linear bytes, at most about ``2 * log2(len(sizes)) + 3``. Assumes bytes
-  do not shrink as the size grows. Sharded, in-step and across-step use: ``docs/planning.md``.
+  Compiles ``step_fn(*make_args(size))`` for a few sizes
+  (:func:`~optax_accum.planning.compiled_peak_bytes`, nothing runs): 4 compilations for linear
+  bytes, at most about ``2 * log2(len(sizes)) + 3``. Assumes bytes do not shrink as the size grows.
+  Sharded, in-step and across-step use: ``docs/planning.md``.
 
   Args:
     step_fn: the train step; pass the ``jax.jit`` function itself to keep its
       ``donate_argnums`` (donated state is counted once, not twice) and shardings.
     make_args: ``make_args(size)`` -> the tuple of ``step_fn``'s positional arguments for
       ``size`` rows; ``jax.ShapeDtypeStruct`` leaves (e.g. ``jax.eval_shape``) are enough.
-    memory_budget: bytes, an int or a str for :func:`parse_bytes` (``"200MB"``). Default:
-      :func:`default_budget`; required on CPU.
+    memory_budget: bytes, an int or a str for :func:`~optax_accum.planning.parse_bytes`
+      (``"200MB"``). Default: :func:`~optax_accum.planning.default_budget`; required on CPU.
     sizes: candidate sizes (rows), e.g. divisors of the per-device batch; a ``range`` is not
       listed. Default: powers of two from 1 to 2**20.
-    known: ``{size: bytes}`` already measured with :func:`compiled_peak_bytes`
+    known: ``{size: bytes}`` already measured with :func:`~optax_accum.planning.compiled_peak_bytes`
       for this step (e.g. a size just refused); looked up instead of compiled.
 
   Returns:
-    A :class:`MicrobatchPlan`.
+    A :class:`~optax_accum.planning.MicrobatchPlan`.
 
   Raises:
     ValueError: if the budget cannot be read or has no default here, ``sizes`` holds no valid

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 project = "optax_accum"
 author = "optax_accum developers"
-copyright = "optax_accum developers"  # noqa: A001 (Sphinx's name)
+copyright = "optax_accum developers"
 release = optax_accum.__version__
 version = release
 

@@ -22,6 +22,7 @@ from optax_accum import (
   _buffers,
   _checks,
   _delivery,
+  _equinox,
   _every_k,
   _guard,
   _loss_scale,
@@ -309,6 +310,7 @@ def _accumulator_dtype(dtype: Any) -> jnp.dtype | None:
 def init(config: _step.Config, params: PyTree) -> AccumulationState:
   """A fresh state: an empty window, zero counters, each feature's sub-state."""
   _pitfalls.check_params(params)
+  _equinox.check_params(params)
   agg = config.aggregation
   fp8 = "grad_amax_history" in agg.rules(params)
   if config.placement.sharded and any(agg.overwritten(params)):

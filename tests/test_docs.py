@@ -56,6 +56,57 @@ CHECKS = {
       "assert len({round(v, 4) for v, _ in last}) > 1  # unequal losses: the weights matter\n",
     ),
   ],
+  "equinox.md": [
+    (  # two windows of 4 microbatches: two AdamW steps on one jax.grad of each window's rows
+      "def train_step",
+      "ref_params, ref_static = eqx.partition(start, eqx.is_array)\n"
+      "ref_tx = optax.adamw(1e-2)\n"
+      "ref_state = ref_tx.init(ref_params)\n"
+      "for i in (0, 4):\n"
+      "  rows = {k: np.concatenate([mb[k] for mb in microbatches[i:i + 4]]) for k in batch}\n"
+      "  g = jax.grad(lambda p: loss_fn(eqx.combine(p, ref_static), rows))(ref_params)\n"
+      "  u, ref_state = ref_tx.update(g, ref_state, ref_params)\n"
+      "  ref_params = optax.apply_updates(ref_params, u)\n"
+      "for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),\n"
+      "                jax.tree.leaves(ref_params), strict=True):\n"
+      "  np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)\n",
+    ),
+    (
+      "def fused_step",
+      "for a, b in zip(jax.tree.leaves(eqx.filter(fused, eqx.is_array)),\n"
+      "                jax.tree.leaves(eqx.filter(model, eqx.is_array)), strict=True):\n"
+      "  np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)\n",
+    ),
+    (  # one AdamW step on one jax.grad of the 32 rows
+      "def in_step",
+      "p0, s0 = eqx.partition(start, eqx.is_array)\n"
+      "ref_loss, g = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, s0), window))(p0)\n"
+      "u, _ = optax.adamw(1e-2).update(g, optax.adamw(1e-2).init(p0), p0)\n"
+      "np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)\n"
+      "for a, b in zip(jax.tree.leaves(eqx.filter(stepped, eqx.is_array)),\n"
+      "                jax.tree.leaves(optax.apply_updates(p0, u)), strict=True):\n"
+      "  np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)\n",
+    ),
+  ],
+  "in_step.md": [
+    (  # optax.microbatching: SUM of a sum loss over the token count is the batch; MEAN is not
+      "from optax import microbatching",
+      "ref = jax.value_and_grad(loss_fn)(params, batch)\n"
+      "for got in (by_hand, weighted):\n"
+      "  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):\n"
+      "    assert jnp.allclose(a, b, rtol=1e-5, atol=1e-7), (a, b)\n"
+      "assert abs(mean_of_means[1]['w'] - ref[1]['w']).max() > 1e-2\n",
+    ),
+  ],
+  "performance.md": [
+    (  # one entry per window; each window's real tokens are its microbatches' unmasked tokens
+      "PEAK_FLOPS",
+      "assert len(windows) == 3 and int(optax_accum.metrics(opt_state).num_updates) == 3\n"
+      "for w, i in zip(windows, range(0, 3 * K, K)):\n"
+      "  assert w['real tokens'] == sum(int(mb['mask'].sum()) for mb in microbatches[i:i + K])\n"
+      "  assert 0 < w['MFU'] < 1 and w['tokens/s'] > 0\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -106,6 +157,13 @@ PRINTS = {
   ],
   "flax.md": [r"update 1: grad_norm \d+\.\d{3}", r"update 2: grad_norm \d+\.\d{3}", "20 3", "3"],
   "guards.md": ["29 1 0", "1", r"1 1 0 \[-2\. -2\.\]"],
+  "performance.md": ["3 3"],
+  "in_step.md": [
+    r"optax\.microbatching 1 0",
+    r"optax_accum, axis_name 0 1",
+    *[r".*"] * 9,  # the pre-flight check's table
+  ],
+  "equinox.md": ["2 updates", r"accumulate\(\.\.\.\)\.init got an eqx\.Module whose leaf .*"],
   "porting.md": [
     r"1 \d\.\d{3}",
     r"2 \d\.\d{3}",

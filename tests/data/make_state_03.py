@@ -17,6 +17,7 @@ import optax
 
 import optax_accum
 
+
 def tx():
   return optax_accum.accumulate(
     optax.adam(0.05),

@@ -6,6 +6,8 @@ included, dedented). A block whose fence is preceded, on the line before, by
 not give) and is not run.
 """
 
+import ast
+import io
 import json
 import os
 import pathlib
@@ -13,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKETCH = "<!-- sketch -->"
@@ -86,3 +89,51 @@ def run_blocks(path, blocks, checks, tmp_path, timeout=600):
   )
   assert proc.returncode == 0, f"{path.name}:\n{proc.stdout}\n{proc.stderr}"
   return proc.stdout
+
+
+_COMPOUND = (
+  ast.FunctionDef,
+  ast.AsyncFunctionDef,
+  ast.ClassDef,
+  ast.For,
+  ast.AsyncFor,
+  ast.While,
+  ast.If,
+  ast.With,
+  ast.AsyncWith,
+  ast.Try,
+  *((ast.TryStar, ast.Match) if sys.version_info >= (3, 11) else ()),
+)
+
+
+def repl_problems(code: str) -> list[str]:
+  """Where pasting ``code`` into the plain Python REPL (``python``, line by line) breaks.
+
+  The REPL ends a compound statement (``def``, ``for``, ``with``, ...) at the first blank line
+  outside brackets and strings, and refuses an unindented statement that follows one without a
+  blank line. Returns one message per place (line numbers from 1), ``[]`` when it pastes.
+  """
+  tree = ast.parse(code)
+  blank, depth = set(), 0  # blank lines at statement level (not inside brackets or strings)
+  for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+    if tok.type == tokenize.OP and tok.string in "([{":
+      depth += 1
+    elif tok.type == tokenize.OP and tok.string in ")]}":
+      depth -= 1
+    elif tok.type == tokenize.NL and not tok.line.strip() and depth == 0:
+      blank.add(tok.start[0])
+  lines = code.splitlines()
+  problems = []
+  body = tree.body
+  for node, after in zip(body, [*body[1:], None], strict=True):
+    if not isinstance(node, _COMPOUND):
+      continue
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    inside = sorted(n for n in blank if first < n <= node.end_lineno)
+    if inside:
+      problems.append(f"line {inside[0]}: a blank line inside the statement of line {first}")
+    if after is not None and lines[node.end_lineno].strip():
+      problems.append(
+        f"line {node.end_lineno + 1}: no blank line after the statement of line {first}"
+      )
+  return problems

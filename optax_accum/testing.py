@@ -469,25 +469,27 @@ def _as_difference(stats: np.ndarray, allowance: bool = False) -> Difference:
   return Difference(max_abs, rel, scale, beyond if allowance else None)
 
 
+def _signs(x: jax.Array) -> jax.Array:
+  """A fixed pseudo-random +-1 per element of ``x``'s shape (float32; a multiplicative hash of
+  the element's index: elementwise integer arithmetic, cheaper than ``jax.random``)."""
+  index = jnp.zeros(x.shape, jnp.uint32)
+  for d in range(x.ndim):
+    index = index * jnp.uint32(x.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)
+  hashed = (index + jnp.uint32(1)) * jnp.uint32(0x9E3779B1)
+  return jnp.where(hashed >> 31 == 1, 1.0, -1.0).astype(jnp.float32)
+
+
 def _allowance(inner, g_ref, inner_state, params, u_ref) -> PyTree:
   """Per element, how far ``inner``'s update moves when the gradient moves by its tolerance.
 
-  The gradient's tolerance ``atol + rtol * max |g|`` (the defaults), added with a fixed random
-  sign per element and subtracted: the larger of the two changes of the update. Random signs
-  keep a global norm (``clip_by_global_norm``) where rounding would leave it.
+  The gradient's tolerance ``atol + rtol * max |g|`` (the defaults), added with a fixed
+  pseudo-random sign per element and subtracted: the larger of the two changes of the update.
+  Mixed signs keep a global norm (``clip_by_global_norm``) where rounding would leave it.
   """
-  scale = jnp.max(
-    jnp.stack([jnp.max(jnp.abs(_wide(g)), initial=0.0) for g in jax.tree.leaves(g_ref)])
-  )
+  leaves = jax.tree.leaves(g_ref)
+  scale = jnp.max(jnp.stack([jnp.max(jnp.abs(_wide(g)), initial=0.0) for g in leaves] + [0.0]))
   tol = _ATOL + _RTOL * scale
-  leaves, treedef = jax.tree.flatten(g_ref)
-  keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
-  signs = [
-    jax.random.rademacher(key, g.shape, jnp.float32) for key, g in zip(keys, leaves, strict=False)
-  ]
-  shift = jax.tree.unflatten(
-    treedef, [(s * tol).astype(g.dtype) for s, g in zip(signs, leaves, strict=True)]
-  )
+  shift = jax.tree.map(lambda g: (_signs(g) * tol).astype(g.dtype), g_ref)
   u_hi = inner.update(optax.tree.add(g_ref, shift), inner_state, params)[0]
   u_lo = inner.update(optax.tree.sub(g_ref, shift), inner_state, params)[0]
   return jax.tree.map(
@@ -517,18 +519,18 @@ def _gram(grads: PyTree, g_ref: PyTree, k: int) -> tuple[jax.Array, jax.Array, j
 
 @jax.jit
 def _residuals(grads: PyTree, g_ref: PyTree, weights: jax.Array) -> jax.Array:
-  """``|g_ref - sum_k W[m, k] g_k|`` for each row ``m`` of ``weights`` (``[M, K]``), one at a
-  time (one gradient-sized temporary)."""
-
-  def one(w):
-    sq = jnp.zeros(())
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref), strict=True):
-      g, r = _wide(g), _wide(r)
-      fit = jnp.sum(w.astype(g.dtype).reshape((-1,) + (1,) * r.ndim) * g, axis=0)
-      sq = sq + jnp.sum(jnp.square(r - fit)).astype(sq.dtype)
-    return jnp.sqrt(sq)
-
-  return jax.lax.map(one, weights)
+  """``|g_ref - sum_k W[m, k] g_k|`` for each row ``m`` of ``weights`` (``[M, K]``, a few rows):
+  one fused reduction per row and leaf, no gradient-sized temporary."""
+  sq = jnp.zeros(weights.shape[:1])
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref), strict=True):
+    g, r = _wide(g), _wide(r)
+    w = weights.astype(g.dtype)
+    rows = []
+    for m in range(w.shape[0]):
+      fit = sum(w[m, k] * g[k] for k in range(w.shape[1]))
+      rows.append(jnp.sum(jnp.square(r - fit)))
+    sq = sq + jnp.stack(rows).astype(sq.dtype)
+  return jnp.sqrt(sq)
 
 
 def _solve(gram: np.ndarray, proj: np.ndarray) -> tuple[np.ndarray, int]:
@@ -700,7 +702,9 @@ def check_equivalence(
   unit = lambda w: w / w.sum() if w.sum() != 0 else w
   rows_w = np.stack([a, unit(weights)] + [unit(np.asarray(c, np.float64)) for _, c in candidates])
   norm = float(np.sqrt(ref_sq))
-  res = np.asarray(jax.device_get(_residuals(grads, g_ref, jnp.asarray(rows_w, jnp.float32))))
+  distinct, which = np.unique(rows_w.astype(np.float32), axis=0, return_inverse=True)
+  res = np.asarray(jax.device_get(_residuals(grads, g_ref, jnp.asarray(distinct))))
+  res = res[np.reshape(which, -1)]  # one pass per distinct weighting
   rel = (res / norm) if norm > 0 else np.where(res > 0, np.inf, 0.0)
   tol = _fit_tolerance(g_ref)
   fitted = rel[0] <= tol and a.sum() != 0 and norm > 0

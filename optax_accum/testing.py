@@ -184,15 +184,12 @@ class EquivalenceReport(NamedTuple):
     """
     return self.num_updates == 1 and all(d.ok(rtol, atol) for _, d, _ in self._checked())
 
-  def assert_passed(self, rtol: float = _RTOL, atol: float = _ATOL) -> EquivalenceReport:
-    """Raises unless :meth:`passed`; returns the report (for chaining).
+  def assert_passed(self, rtol: float = _RTOL, atol: float = _ATOL) -> None:
+    """Raises unless :meth:`passed`, with the verdict and the table.
 
     Args:
       rtol: relative tolerance, against each reference's largest magnitude.
       atol: absolute tolerance. The float32 defaults allow rounding only.
-
-    Returns:
-      This report.
 
     Raises:
       AssertionError: with the verdict and the table, if the check fails.
@@ -205,8 +202,8 @@ class EquivalenceReport(NamedTuple):
       ...   return (0.5 * (w - batch['y']) ** 2 * m).sum() / jnp.maximum(m.sum(), 1.0)
       >>> batch = {'y': jnp.arange(8.0), 'mask': jnp.array([1., 1, 1, 0, 1, 0, 0, 1])}
       >>> report = testing.check_equivalence(  # weights 2, 1, 1, 1 per microbatch
-      ...     loss_fn, jnp.asarray(0.5), batch, optax.sgd(0.1),
-      ...     num_microbatches=4).assert_passed()
+      ...     loss_fn, jnp.asarray(0.5), batch, optax.sgd(0.1), num_microbatches=4)
+      >>> report.assert_passed()
       Traceback (most recent call last):
       ...
       AssertionError: ... FAIL: wrong weights: the loss weighs microbatches by unmasked
@@ -218,7 +215,6 @@ class EquivalenceReport(NamedTuple):
         f"Accumulation does not reproduce one physical batch (rtol={rtol}, atol={atol}):\n"
         + self._render(rtol, atol)
       )
-    return self
 
   def _checked(self) -> list[tuple[str, Difference, bool]]:
     """(label, row, has an allowance) of the rows :meth:`passed` checks, in table order."""
@@ -334,14 +330,14 @@ class EquivalenceReport(NamedTuple):
         f"{self.loss_weights_residual:.2g}, tolerance {self.fit_tolerance:.2g})"
       )
     implied = ", ".join(f"{a:.3g}" for a in self.loss_weights)
+    fit = f"fit residual {self.loss_weights_residual:.2g}"
+    total = self.loss_weights_sum
+    scale = f", times {total:.3g} (a sum, not a mean)" if abs(total - 1) > 1e-2 else ""
+    if self.weights_residual <= self.fit_tolerance:
+      return f"{head}; the loss implies the same: ({implied}) of the window ({fit})"
     target = self._loss_weighting()
-    named = f": {target.describe()}" if target is not None else ""
-    agree = "they agree" if self.weights_residual <= self.fit_tolerance else "they differ"
-    scale = f", times {self.loss_weights_sum:.3g}" if abs(self.loss_weights_sum - 1) > 1e-2 else ""
-    return (
-      f"{head}; the loss implies ({implied}) of the window{named}{scale} (fit residual "
-      f"{self.loss_weights_residual:.2g}): {agree}"
-    )
+    named = f" = {target.describe()}" if target is not None else ""
+    return f"{head}; the loss implies ({implied}) of the window{named}{scale} ({fit})"
 
   def _render(self, rtol: float, atol: float) -> str:
     k = len(self.weights)
@@ -740,7 +736,8 @@ def _assert_equivalent(
 ) -> EquivalenceReport:
   """The 0.3 spelling of ``check_equivalence(...).assert_passed(rtol=, atol=)``."""
   report = check_equivalence(loss_fn, params, batch, inner, **kwargs)
-  return report.assert_passed(rtol=rtol, atol=atol)
+  report.assert_passed(rtol=rtol, atol=atol)
+  return report
 
 
 # Names of 0.3 kept for one release: (the object, what to use instead).

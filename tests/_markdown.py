@@ -137,3 +137,53 @@ def repl_problems(code: str) -> list[str]:
         f"line {node.end_lineno + 1}: no blank line after the statement of line {first}"
       )
   return problems
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def commented_sample(code: str, marker: str) -> list[str]:
+  """The ``# `` comment lines right after the line of ``code`` containing ``marker``: the
+  output a page shows for that line, one comment line per printed line."""
+  lines = code.splitlines()
+  start = next(i for i, line in enumerate(lines) if marker in line) + 1
+  sample = []
+  for line in lines[start:]:
+    if not line.startswith("#"):
+      break
+    sample.append(line[2:] if line.startswith("# ") else line[1:])
+  return sample
+
+
+def same_output(printed: list[str], sample: list[str], rounding: float = 1e-5) -> list[str]:
+  """The lines where ``printed`` differs from a page's ``sample``; ``[]`` when it matches.
+
+  Text and numbers must be equal, except numbers below ``rounding`` in magnitude in the sample
+  (float32 rounding differences, which vary with the machine's vector width): those only need
+  to be below ``rounding`` in the printed line too.
+
+  Examples:
+    >>> same_output(["max 3.1e-08 of 0.25"], ["max 5e-08 of 0.25"])
+    []
+    >>> same_output(["max 3.1e-08 of 0.26"], ["max 5e-08 of 0.25"])
+    ['line 1: printed max 3.1e-08 of 0.26 | page max 5e-08 of 0.25']
+  """
+
+  def parts(line: str) -> tuple[list[str], list[str]]:
+    return _NUMBER.split(line), _NUMBER.findall(line)
+
+  def small(number: str) -> bool:
+    return abs(float(number.replace(",", ""))) < rounding
+
+  diffs = (
+    [f"lines: printed {len(printed)}, page {len(sample)}"] if len(printed) != len(sample) else []
+  )
+  for i, (got, want) in enumerate(zip(printed, sample, strict=False), start=1):
+    (got_text, got_nums), (want_text, want_nums) = parts(got), parts(want)
+    same = got_text == want_text and len(got_nums) == len(want_nums)
+    same = same and all(
+      g == w or (small(w) and small(g)) for g, w in zip(got_nums, want_nums, strict=True)
+    )
+    if not same:
+      diffs.append(f"line {i}: printed {got} | page {want}")
+  return diffs

@@ -263,7 +263,8 @@ def test_check_equivalence_on_the_tutorial_mesh_with_aux():
     report = testing.check_equivalence(
       aux_loss, params, batch, optax.adam(1e-3), num_microbatches=4, weight_fn=tokens,
       has_aux=True,
-    ).assert_passed(rtol=1e-6, atol=1e-6)  # fmt: skip
+    )  # fmt: skip
+  report.assert_passed(rtol=1e-6, atol=1e-6)
   assert report.num_updates == 1
   # Computed another way: the mean of the microbatch means differs from the batch's gradient.
   assert report.mean_of_means.max_rel > 1e-3

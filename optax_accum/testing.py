@@ -486,8 +486,8 @@ def _allowance(inner, g_ref, inner_state, params, u_ref) -> PyTree:
   scale = jnp.max(jnp.stack([jnp.max(jnp.abs(_wide(g)), initial=0.0) for g in leaves] + [0.0]))
   tol = _ATOL + _RTOL * scale
   shift = jax.tree.map(lambda g: (_signs(g) * tol).astype(g.dtype), g_ref)
-  u_hi = inner.update(optax.tree.add(g_ref, shift), inner_state, params)[0]
-  u_lo = inner.update(optax.tree.sub(g_ref, shift), inner_state, params)[0]
+  u_hi = inner.update(jax.tree.map(jnp.add, g_ref, shift), inner_state, params)[0]
+  u_lo = inner.update(jax.tree.map(jnp.subtract, g_ref, shift), inner_state, params)[0]
   return jax.tree.map(
     lambda hi, lo, u: jnp.maximum(jnp.abs(_wide(hi) - _wide(u)), jnp.abs(_wide(lo) - _wide(u))),
     u_hi,

@@ -284,8 +284,10 @@ def test_adam_near_eps_rounding_passes_within_the_gradients_tolerance():
   g_b = float(jax.grad(loss)(params, {"x": x, "y": y})["b"])
   assert abs(g_b) < 1e-7  # rounding: the bias' gradient is 0 in exact arithmetic
   assert report.grad_in_step.max_abs < 1e-7
-  assert report.update_across_step.max_rel > 0.5  # a step of about lr the other way ...
-  assert report.update_across_step.beyond_allowance < 1e-9  # ... allowed: |g| within tolerance
+  row = report.update_across_step
+  assert row.max_rel > 0.1  # a visible part of the step of lr = 1e-3 (it can flip sign) ...
+  assert not row._replace(beyond_allowance=None).ok(1e-5, 1e-6)  # ... failing a plain check,
+  assert row.beyond_allowance < 1e-9  # ... and within the allowance: |g| is within tolerance
   assert report.passed()
   _verdict_agrees(report)
 

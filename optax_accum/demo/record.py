@@ -7,6 +7,7 @@ in agreement. Imports neither flax nor tqdm (the command line imports it before 
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import os
@@ -36,17 +37,23 @@ class _Tee(io.TextIOBase):
     return bool(getattr(self.stream, "isatty", lambda: False)())
 
 
+def installed(name: str) -> str | None:
+  """The installed version of the distribution ``name``, or None."""
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
 def machine() -> dict[str, Any]:
   """Where the run ran: platform, cores, load, and the versions of Python and the stack."""
-  from optax_accum.demo.cli import _version
-
   return {
     "platform": platform.platform(),
     "processor": platform.processor() or platform.machine(),
     "cpu_count": os.cpu_count(),
     "python": sys.version.split()[0],
     "optax_accum": optax_accum.__version__,
-    **{name: _version(name) for name in ("jax", "jaxlib", "optax", "flax")},
+    **{name: installed(name) for name in ("jax", "jaxlib", "optax", "flax")},
     "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
   }
 

@@ -1,15 +1,28 @@
-"""Renders the README's performance tables from the benchmarks' JSON.
+"""Renders the README's and docs' performance tables and demo samples from recorded JSON.
 
 The numbers in README.md between ``<!-- microstep-table:begin -->`` and
 ``<!-- microstep-table:end -->`` (and the ``eager-table`` markers), in docs/in_step.md
-between the ``mesh-table`` markers and in docs/scaling.md between the ``hsdp-table`` and
-``zero1-table`` markers are never edited by hand: run the benchmarks, then this script.
+between the ``mesh-table`` and ``preflight-table`` markers and in docs/scaling.md between the
+``hsdp-table`` and ``zero1-table`` markers are never edited by hand: run the benchmarks, then this
+script. The demo's printed samples (README.md's ``demo-sample``, docs/demo.md's ``demo-output``
+and ``demo-every-k``, docs/planning.md's ``demo-plan`` and ``demo-refusal``) are rendered from
+recorded runs (``optax-accum demo --record``) the same way.
 
   python benchmarks/microstep.py --sizes 4e6 16e6 --inner adam adamw --every-k 4 16 \\
       --out benchmarks/results/microstep.json
   python benchmarks/eager.py --out benchmarks/results/eager.json
   python benchmarks/train_step.py --devices 8 --batch 64 --every-k 4 --seq-len 64 --dim 128 \\
       --depth 2 --heads 4 --rounds 5 --out benchmarks/results/train_step_8dev.json
+  python benchmarks/preflight.py --out benchmarks/results/preflight.json
+  optax-accum demo --record benchmarks/results/demo.json > demo.log 2>&1
+  optax-accum demo --tokens-per-update 0 --record benchmarks/results/demo_every_k.json \\
+      > demo.log 2>&1
+  optax-accum demo --memory-budget 200MB --updates 1 --no-progress \\
+      --record benchmarks/results/demo_plan_200MB.json
+  optax-accum demo --memory-budget 20MB --updates 1 --no-progress \\
+      --record benchmarks/results/demo_plan_20MB.json
+  optax-accum demo --quick --microbatch-size 100000000 \\
+      --record benchmarks/results/demo_refusal.json
   python benchmarks/render_tables.py            # rewrites the README blocks
   python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
 """
@@ -23,12 +36,21 @@ import sys
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 JSON = ROOT / "benchmarks" / "results" / "microstep.json"
 EAGER_JSON = ROOT / "benchmarks" / "results" / "eager.json"
 TRAIN_STEP_JSON = ROOT / "benchmarks" / "results" / "train_step_8dev.json"
 README = ROOT / "README.md"
 IN_STEP_DOC = ROOT / "docs" / "in_step.md"
 SCALING_DOC = ROOT / "docs" / "scaling.md"
+DEMO_DOC = ROOT / "docs" / "demo.md"
+PLANNING_DOC = ROOT / "docs" / "planning.md"
+PREFLIGHT = ("<!-- preflight-table:begin -->", "<!-- preflight-table:end -->")
+DEMO_SAMPLE = ("<!-- demo-sample:begin -->", "<!-- demo-sample:end -->")
+DEMO_OUTPUT = ("<!-- demo-output:begin -->", "<!-- demo-output:end -->")
+DEMO_EVERY_K = ("<!-- demo-every-k:begin -->", "<!-- demo-every-k:end -->")
+DEMO_PLAN = ("<!-- demo-plan:begin -->", "<!-- demo-plan:end -->")
+DEMO_REFUSAL = ("<!-- demo-refusal:begin -->", "<!-- demo-refusal:end -->")
 MESH = ("<!-- mesh-table:begin -->", "<!-- mesh-table:end -->")
 HSDP = ("<!-- hsdp-table:begin -->", "<!-- hsdp-table:end -->")
 ZERO1 = ("<!-- zero1-table:begin -->", "<!-- zero1-table:end -->")
@@ -265,21 +287,129 @@ def render_zero1(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def render_preflight(report: dict[str, Any]) -> str:
+  """docs/in_step.md's table of benchmarks/preflight.py: the fit's pieces against the check."""
+  lines = [
+    "| params, K | Gram on the device | solve on the host | residual pass | allowance"
+    " (2 inner updates) | the whole `check_equivalence` |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
+  for r in report["results"]:
+    ms = r["ms"]
+    lines.append(
+      f"| {_size(r['num_params'])}, {r['num_microbatches']} | {ms['gram']:.1f} ms"
+      f" | {ms['solve']:.2f} ms | {ms['residuals']:.1f} ms | {ms['allowance']:.1f} ms"
+      f" | {r['check_equivalence_s']:.2f} s (the fit: {100 * r['fit_over_check']:.1f}%) |"
+    )
+  m = report["machine"]
+  lines += [
+    "",
+    f"A 2-layer tanh MLP, float32, adamw; medians of {report['results'][0]['calls']} calls after a"
+    f" warm-up call, the check's of {max(1, report['results'][0]['calls'] // 5)} calls (each"
+    f" compiles); {m['cpu_count']}-core {m['processor']}, jax {m['jax']}. Source:"
+    " `benchmarks/results/preflight.json`, rendered by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
+def _where(record: dict[str, Any]) -> str:
+  m = record["machine"]
+  return f"{m['cpu_count']}-core {m['processor']} CPU, jax {m['jax']}, flax {m['flax']}"
+
+
+def _demo_lines(record: dict[str, Any]) -> list[str]:
+  assert record["exit_code"] == 0, record["command"]
+  return record["output"].rstrip("\n").splitlines()
+
+
+def render_demo_sample(record: dict[str, Any]) -> str:
+  """README.md's abridged demo output: the pre-flight, the plan, first and last progress lines,
+  the summary."""
+  lines = _demo_lines(record)
+  pre = next(i for i, line in enumerate(lines) if line.startswith("Pre-flight:"))
+  train = next(i for i, line in enumerate(lines) if line.startswith("Training:"))
+  timing = [line for line in lines if line.startswith("timing:")]
+  updates = [line for line in lines if line.startswith("update ")]
+  end = next(i for i, line in enumerate(lines) if line.startswith("training loss:"))
+  shown = lines[pre:train] + [lines[train], *timing, *updates[:1], "...", *updates[-1:]]
+  shown += lines[end:]
+  head = (
+    f"A real run of `{record['command']}` with its output in a file ({_where(record)},"
+    f" {record['wall_seconds']:.0f} s), abridged:"
+  )
+  return "\n".join([head, "", "```text", *shown, "```"])
+
+
+def render_demo_output(record: dict[str, Any]) -> str:
+  """docs/demo.md's full demo output, and what it took."""
+  s = record["summary"]
+  head = (
+    f"A real run of `{record['command']} > demo.log 2>&1` ({_where(record)}; with the output in a"
+    " file the progress bar gives way to a plain line every tenth of the run), in full:"
+  )
+  tail = (
+    f"The held-out loss (lines never trained on) falls from {s['eval_before']:.2f} to"
+    f" {s['eval_after']:.2f} nats per byte in {record['wall_seconds']:.0f} s of wall time,"
+    f" {s['train_seconds']:.0f} s of it training (the rest: imports, the pre-flight check, which"
+    " compiles three copies of the model's backward pass and two `accumulate` steps, and the"
+    " train step's compilation)."
+  )
+  return "\n".join([head, "", "```text", *_demo_lines(record), "```", "", tail])
+
+
+def render_demo_every_k(record: dict[str, Any]) -> str:
+  """docs/demo.md's lines of the run with windows of ``every_k`` microbatches."""
+  keep = ("Training:", "held-out loss:", "tokens per update:", "critical batch")
+  lines = [line for line in _demo_lines(record) if line.startswith(keep)]
+  return "\n".join([f"`{record['command']}` prints", "", "```text", *lines, "```"])
+
+
+def render_demo_plan(records: list[dict[str, Any]]) -> str:
+  """docs/planning.md's plan lines of ``--memory-budget`` runs."""
+  lines = []
+  for record in records:
+    lines += [line for line in _demo_lines(record) if line.startswith("memory plan:")]
+  where = _where(records[0])
+  return "\n".join([f"On a {where}:", "", "```text", *lines, "```"])
+
+
+def render_demo_refusal(record: dict[str, Any]) -> str:
+  """docs/planning.md's refusal of a microbatch the machine cannot hold."""
+  assert record["exit_code"] == 2, record["command"]
+  text = record["output"].rstrip("\n")
+  return "\n".join([f"`{record['command']}` ({_where(record)}):", "", "```text", text, "```"])
+
+
+def _indent(text: str, prefix: str) -> str:
+  return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
 def block(text: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
   """The README's current block between the markers."""
   start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
-  return text[start:end].strip("\n")
+  return text[start:end].rstrip(" ").strip("\n")  # an indented end marker's indentation
+
+
+def _record(name: str) -> dict[str, Any]:
+  return json.loads((RESULTS / name).read_text())
 
 
 def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
   """Each rendered block's page, its markers and the table today's JSON renders to."""
   train_step = json.loads(TRAIN_STEP_JSON.read_text())
+  plans = [_record("demo_plan_200MB.json"), _record("demo_plan_20MB.json")]
   return [
     (README, (BEGIN, END), render(json.loads(JSON.read_text()))),
     (README, EAGER, render_eager(json.loads(EAGER_JSON.read_text()))),
     (IN_STEP_DOC, MESH, render_mesh(train_step)),
     (SCALING_DOC, HSDP, render_hsdp(train_step)),
     (SCALING_DOC, ZERO1, render_zero1(train_step)),
+    (IN_STEP_DOC, PREFLIGHT, render_preflight(_record("preflight.json"))),
+    (README, DEMO_SAMPLE, render_demo_sample(_record("demo.json"))),
+    (DEMO_DOC, DEMO_OUTPUT, render_demo_output(_record("demo.json"))),
+    (DEMO_DOC, DEMO_EVERY_K, render_demo_every_k(_record("demo_every_k.json"))),
+    (PLANNING_DOC, DEMO_PLAN, _indent(render_demo_plan(plans), "  ")),
+    (PLANNING_DOC, DEMO_REFUSAL, _indent(render_demo_refusal(_record("demo_refusal.json")), "  ")),
   ]
 
 
@@ -295,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
       continue
     start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
-    path.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+    indent = text[:end].rsplit("\n", 1)[-1]  # the end marker's, in a list item
+    path.write_text(text[:start] + "\n" + table + "\n" + indent + text[end:])
   return 0
 
 

@@ -137,6 +137,16 @@ DEPRECATED = {
     ("optax_accum.planning", n): (f"optax_accum._planning:{n}", "the result of plan_microbatch")
     for n in ("MicrobatchPlan", "MicrobatchSplit")
   },
+  ("optax_accum.testing", "assert_equivalent"): ("optax_accum.testing:_assert_equivalent",
+                                                  "check_equivalence(...).assert_passed()"),
+  ("optax_accum.testing", "BatchDependentLayerWarning"): (
+    "optax_accum.testing:_BatchDependentLayerWarning",
+    "optax_accum.pitfalls.PitfallWarning (its base class)",
+  ),
+  ("optax_accum.testing", "batch_dependent_layers"): (
+    "optax_accum.testing:_batch_dependent_layers",
+    "check_equivalence(...).batch_dependent_layers",
+  ),
   **{
     ("optax_accum.planning", n): (f"optax_accum._planning:{n}", "nothing: it is internal")
     for n in ("SAFETY_MARGIN", "compiled_peak_bytes", "default_budget", "parse_bytes")

@@ -1,7 +1,10 @@
 """Pre-flight checks that accumulation reproduces one physical batch, and HLO collective counts.
 
-Run :func:`check_equivalence` before a long run (:func:`assert_equivalent` in tests): it catches a
-loss that is not a mean, a wrong ``weight`` and BatchNorm. Flax is imported only when needed.
+Run :func:`check_equivalence` before a long run (``check_equivalence(...).assert_passed()`` in
+tests): it says PASS or FAIL and why, fits the weights the loss itself gives each microbatch and
+names the ``weight`` that reproduces the batch; it catches a loss that is not a mean, a wrong
+``weight``, BatchNorm and losses over the whole batch (in-batch negatives). Flax is imported only
+when needed.
 """
 
 from __future__ import annotations
@@ -20,24 +23,24 @@ from optax_accum._accumulate import accumulate
 from optax_accum._collectives import count_collectives
 from optax_accum._metrics import metrics
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
+from optax_accum.pitfalls import PitfallWarning
 
-__all__ = [
-  "BatchDependentLayerWarning",
-  "Difference",
-  "EquivalenceReport",
-  "assert_equivalent",
-  "batch_dependent_layers",
-  "check_equivalence",
-  "count_collectives",
-]
+__all__ = ["check_equivalence", "count_collectives"]
 
 PyTree = Any
 
+# The default tolerances of EquivalenceReport.passed() (float32 rounding only); the inner
+# update's per-element allowance is computed at check time from the gradient's at these.
+_RTOL, _ATOL = 1e-5, 1e-6
+# Where the page that explains losses over the whole batch lives (FAIL messages point to it).
+_WHOLE_BATCH_DOCS = "docs/in_step.md, 'Losses over the whole batch'"
 
-class BatchDependentLayerWarning(UserWarning):
+
+class _BatchDependentLayerWarning(PitfallWarning):
   """A layer whose output depends on the other examples in the batch (BatchNorm in train mode).
 
   Accumulation cannot reproduce one batch: each microbatch is normalized with its own statistics.
+  A :class:`optax_accum.pitfalls.PitfallWarning`, filtered with the others.
   """
 
 
@@ -48,47 +51,95 @@ class Difference(NamedTuple):
     max_abs: ``max |x - ref|`` over all leaves and elements.
     max_rel: ``max_abs / scale`` (0 when both are 0).
     scale: ``max |ref|``, the reference's largest magnitude.
+    beyond_allowance: for the inner-update rows, ``max_i (|x_i - ref_i| - allowance_i)``: the
+      largest difference beyond what the gradient's tolerance allows each element (see
+      :func:`check_equivalence`); ``None`` for the other rows (no allowance).
 
   Examples:
     >>> from optax_accum.testing import Difference
     >>> d = Difference(max_abs=0.5, max_rel=0.125, scale=4.0)
     >>> d.ok(rtol=0.125, atol=0.0), d.ok(rtol=0.0, atol=0.25)  # 0.5 <= 0.125 * 4; 0.5 > 0.25
     (True, False)
+    >>> d._replace(beyond_allowance=0.0).ok(rtol=0.0, atol=0.0)  # within its allowance
+    True
   """
 
   max_abs: float
   max_rel: float
   scale: float
+  beyond_allowance: float | None = None
 
   def ok(self, rtol: float, atol: float) -> bool:
-    """``max_abs <= atol + rtol * scale`` (``numpy.allclose`` with one global scale), a bool."""
-    return bool(self.max_abs <= atol + rtol * self.scale)
+    """``max_abs <= atol + rtol * scale`` (``numpy.allclose`` with one global scale), a bool;
+    ``beyond_allowance`` in place of ``max_abs`` where there is an allowance."""
+    excess = self.max_abs if self.beyond_allowance is None else self.beyond_allowance
+    return bool(excess <= atol + rtol * self.scale)
 
 
-def _difference(x: PyTree, ref: PyTree) -> Difference:
-  xs = [np.asarray(a, np.float64) for a in jax.tree.leaves(x)]
-  rs = [np.asarray(a, np.float64) for a in jax.tree.leaves(ref)]
-  max_abs = max(
-    (float(np.max(np.abs(a - r), initial=0.0)) for a, r in zip(xs, rs, strict=True)), default=0.0
-  )
-  scale = max((float(np.max(np.abs(r), initial=0.0)) for r in rs), default=0.0)
-  rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-  return Difference(max_abs, rel, scale)
+class Weighting(NamedTuple):
+  """A count per microbatch found in the batch, and how well it reproduces the batch's gradient.
+
+  Attributes:
+    name: ``'rows'`` (the leading dimension) or the key path of a mask-like leaf (bool, or
+      values 0 and 1 only), e.g. ``"['mask']"``.
+    counts: the count of each microbatch (its rows, or the sum of that leaf).
+    residual: ``|g_batch - sum_k c_k g_k / sum_k c_k| / |g_batch|`` (Euclidean norms over all
+      parameters): 0 up to rounding when the loss averages over exactly these counts.
+  """
+
+  name: str
+  counts: tuple[float, ...]
+  residual: float
+
+  def describe(self) -> str:
+    """``'rows (4 each)'`` or ``"unmasked ['mask'] (4, 8, 16, 24)"``."""
+    label = "rows" if self.name == "rows" else f"unmasked {self.name}"
+    return f"{label} ({_numbers(self.counts)})"
+
+  def fix(self) -> str:
+    """The ``weight=`` a training step passes for this count."""
+    if self.name == "rows":
+      return "weight=x.shape[0] (the microbatch's rows)"
+    return f"weight=batch{self.name}.sum()"
+
+
+def _numbers(xs: tuple[float, ...]) -> str:
+  if len(xs) > 1 and all(x == xs[0] for x in xs):
+    return f"{xs[0]:.4g} each"
+  return ", ".join(f"{x:.4g}" for x in xs)
 
 
 class EquivalenceReport(NamedTuple):
-  """Differences of one accumulated window from one physical batch (see :func:`check_equivalence`).
+  """One accumulated window against one physical batch (see :func:`check_equivalence`).
+
+  ``print(report)`` shows the verdict (PASS or FAIL and why), the weights, and a table;
+  :meth:`passed` agrees with the verdict; :meth:`assert_passed` raises with the table.
 
   Attributes:
     loss: in-step weighted-mean loss vs the batch's loss.
     grad_in_step: in-step gradient vs ``jax.grad`` on the whole batch.
     sgd_across_step: ``accumulate(optax.sgd(1.0), K)``'s window update vs ``optax.sgd(1.0)``'s.
-    update_in_step: ``inner``'s update from the in-step gradient vs from the batch's.
-    update_across_step: ``accumulate(inner, K)``'s window update vs ``inner``'s on the batch.
-    mean_of_means: the equal-weights gradient (mean of microbatch means) vs the batch's.
+    update_in_step: ``inner``'s update from the in-step gradient vs from the batch's, with a
+      per-element allowance (see :func:`check_equivalence`).
+    update_across_step: ``accumulate(inner, K)``'s window update vs ``inner``'s on the batch,
+      with the same allowance.
+    mean_of_means: the equal-weights gradient (mean of microbatch means) vs the batch's: shown,
+      not checked.
     num_updates: updates ``accumulate`` applied in the window (should be 1).
-    weights: the weight of each microbatch.
+    weights: the weight of each microbatch, as ``weight_fn`` gave it.
     batch_dependent_layers: paths of detected BatchNorm layers or collections.
+    loss_weights: the weights the loss itself gives the microbatches, relative (summing to 1):
+      the least-squares fit of ``g_batch = sum_k a_k g_k`` over all parameters, ``a / sum(a)``;
+      ``None`` when no weighting reproduces the batch (``loss_weights_residual`` above
+      ``fit_tolerance``: BatchNorm, in-batch negatives) or the batch's gradient is 0.
+    loss_weights_residual: ``|g_batch - sum_k a_k g_k| / |g_batch|`` of that fit.
+    loss_weights_sum: ``sum(a)``: 1 for a loss that is a mean over the batch, ``K`` for one
+      that adds the microbatches' losses up (a sum).
+    weights_residual: the residual of ``weights`` (normalized), as for ``loss_weights``.
+    weightings: the counts the batch offers (rows, each mask-like leaf's sums), each with its
+      residual, as :class:`Weighting`.
+    fit_tolerance: the largest residual that counts as rounding: ``1000 * eps`` of the
+      gradient's dtype (1.2e-4 for float32), at most 0.01.
 
   Examples:
     >>> from optax_accum.testing import Difference, EquivalenceReport
@@ -97,9 +148,12 @@ class EquivalenceReport(NamedTuple):
     ...                            weights=(3.0, 1.0), batch_dependent_layers=())
     >>> report.passed()  # mean_of_means is shown, not checked
     True
-    >>> bad = report._replace(update_across_step=off)
+    >>> bad = report._replace(sgd_across_step=off)
     >>> bad.passed(), bad.passed(rtol=1e-2), report._replace(num_updates=0).passed()
     (False, True, False)
+    >>> print(bad.verdict())  # the reason with the number
+    FAIL: the accumulated gradient differs from the batch's by 0.001 of its largest element
+    (tolerance 1e-05)
   """
 
   loss: Difference
@@ -111,36 +165,214 @@ class EquivalenceReport(NamedTuple):
   num_updates: int
   weights: tuple[float, ...]
   batch_dependent_layers: tuple[str, ...]
+  loss_weights: tuple[float, ...] | None = None
+  loss_weights_residual: float = 0.0
+  loss_weights_sum: float = 1.0
+  weights_residual: float = 0.0
+  weightings: tuple[Weighting, ...] = ()
+  fit_tolerance: float = 1e-4
 
-  def passed(self, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-    """Whether every row but ``mean_of_means`` is within :meth:`Difference.ok` and one update
-    was applied (the float32 default tolerances allow rounding only), a bool."""
-    rows = (self.loss, self.grad_in_step, self.sgd_across_step)
-    rows += (self.update_in_step, self.update_across_step)
-    return self.num_updates == 1 and all(d.ok(rtol, atol) for d in rows)
+  def passed(self, rtol: float = _RTOL, atol: float = _ATOL) -> bool:
+    """Whether every checked row is within :meth:`Difference.ok` and one update was applied.
 
-  def __str__(self) -> str:
-    w = ", ".join(f"{x:g}" for x in self.weights)
+    The checked rows: the loss, the gradient, the ``sgd(1)`` step and the inner updates (each
+    element of these within its allowance); not ``mean_of_means``. The default tolerances allow
+    float32 rounding only. The same answer as :meth:`verdict` gives.
+
+    Returns:
+      A bool.
+    """
+    return self.num_updates == 1 and all(d.ok(rtol, atol) for _, d, _ in self._checked())
+
+  def assert_passed(self, rtol: float = _RTOL, atol: float = _ATOL) -> None:
+    """Raises unless :meth:`passed`, with the verdict and the table.
+
+    Args:
+      rtol: relative tolerance, against each reference's largest magnitude.
+      atol: absolute tolerance. The float32 defaults allow rounding only.
+
+    Raises:
+      AssertionError: with the verdict and the table, if the check fails.
+
+    Examples:
+      >>> import optax
+      >>> from optax_accum import testing
+      >>> def loss_fn(w, batch):  # masked mean of 0.5 * (w - y)**2 over the real rows
+      ...   m = batch['mask']
+      ...   return (0.5 * (w - batch['y']) ** 2 * m).sum() / jnp.maximum(m.sum(), 1.0)
+      >>> batch = {'y': jnp.arange(8.0), 'mask': jnp.array([1., 1, 1, 0, 1, 0, 0, 1])}
+      >>> report = testing.check_equivalence(  # weights 2, 1, 1, 1 per microbatch
+      ...     loss_fn, jnp.asarray(0.5), batch, optax.sgd(0.1), num_microbatches=4)
+      >>> report.assert_passed()
+      Traceback (most recent call last):
+      ...
+      AssertionError: ... FAIL: wrong weights: the loss weighs microbatches by unmasked
+      ['mask'] (2, 1, 1, 1); you passed rows (2 each): use weight=batch['mask'].sum()
+      ...
+    """
+    if not self.passed(rtol, atol):
+      raise AssertionError(
+        f"Accumulation does not reproduce one physical batch (rtol={rtol}, atol={atol}):\n"
+        + self._render(rtol, atol)
+      )
+
+  def _checked(self) -> list[tuple[str, Difference, bool]]:
+    """(label, row, has an allowance) of the rows :meth:`passed` checks, in table order."""
+    return [
+      ("loss, in-step", self.loss, False),
+      ("gradient, in-step", self.grad_in_step, False),
+      ("sgd(1) step, across-step", self.sgd_across_step, False),
+      ("inner update, in-step", self.update_in_step, True),
+      ("inner update, across-step", self.update_across_step, True),
+    ]
+
+  def _passed_weighting(self) -> Weighting | None:
+    """The batch's count that ``weights`` are proportional to, if any."""
+    w = np.asarray(self.weights, np.float64)
+    for c in self.weightings:
+      counts = np.asarray(c.counts, np.float64)
+      if w.sum() > 0 and counts.sum() > 0:
+        if np.allclose(w / w.sum(), counts / counts.sum(), rtol=1e-6, atol=1e-9):
+          return c
+    return None
+
+  def _passed_text(self) -> str:
+    named = self._passed_weighting()
+    if named is not None and np.allclose(self.weights, named.counts):
+      return named.describe()
+    text = f"({_numbers(self.weights)})"
+    return f"{text}, proportional to {named.describe()}" if named is not None else text
+
+  def _loss_weighting(self) -> Weighting | None:
+    """The first of the batch's counts that reproduces the batch (residual within tolerance)."""
+    return next((c for c in self.weightings if c.residual <= self.fit_tolerance), None)
+
+  def verdict(self, rtol: float = _RTOL, atol: float = _ATOL) -> str:
+    """One line: ``'PASS: ...'`` or ``'FAIL: ...'`` and why, as :meth:`passed` decides.
+
+    A failure names its most likely cause: no update applied; no weighting reproduces the batch
+    (the loss is not a weighted mean of microbatch losses: BatchNorm, in-batch negatives);
+    a loss that sums instead of averaging; a wrong ``weight`` (and the right one, recognized
+    among rows and the batch's mask-like leaves when it is one of them); else which row is off.
+
+    Returns:
+      A str.
+    """
+    grad = max(self.grad_in_step.max_rel, self.sgd_across_step.max_rel)
+    if self.passed(rtol, atol):
+      return (
+        f"PASS: the accumulated window equals one physical batch to float32 rounding "
+        f"(gradient {grad:.2g} of its largest element; tolerance {rtol:g})"
+      )
+    if self.num_updates != 1:
+      return (
+        f"FAIL: accumulate applied {self.num_updates} updates in one window of "
+        f"{len(self.weights)} microbatches (1 expected)"
+      )
+    grads_ok = self.grad_in_step.ok(rtol, atol) and self.sgd_across_step.ok(rtol, atol)
+    if not grads_ok and self.loss_weights is None and self.loss_weights_residual > 0:
+      layers = self.batch_dependent_layers
+      cause = (
+        f"batch-dependent layers ({', '.join(layers)}: BatchNorm in train mode)"
+        if layers
+        else "e.g. in-batch negatives, or statistics over the batch"
+      )
+      return (
+        f"FAIL: no weighting of the microbatches reproduces the batch (fit residual "
+        f"{self.loss_weights_residual:.2g} of |g_batch|): the loss is not a weighted mean of "
+        f"microbatch losses ({cause}); see {_WHOLE_BATCH_DOCS}"
+      )
+    if not grads_ok and self.loss_weights is not None:
+      total = self.loss_weights_sum
+      if self.weights_residual > self.fit_tolerance:
+        target = self._loss_weighting()
+        if target is not None:
+          return (
+            f"FAIL: wrong weights: the loss weighs microbatches by {target.describe()}; "
+            f"you passed {self._passed_text()}: use {target.fix()}"
+          )
+        implied = ", ".join(f"{a:.3g}" for a in self.loss_weights)
+        if abs(total - 1) <= 1e-2:
+          return (
+            f"FAIL: wrong weights: the loss weighs microbatches as ({implied}) of the window; "
+            f"you passed {self._passed_text()}: pass weights in those proportions"
+          )
+      if abs(total - 1) > 1e-2:
+        return (
+          f"FAIL: the batch's gradient is {total:.3g}x the weighted mean of the microbatches' "
+          f"gradients: the loss adds up rather than averages (a sum over the batch, or a mean "
+          f"over a fixed count). Make it a mean over what it sums (and pass that count as "
+          f"weight), or keep the sum and accumulate with denominator=1"
+        )
+    if not grads_ok:
+      return (
+        f"FAIL: the accumulated gradient differs from the batch's by {grad:.2g} of its largest "
+        f"element (tolerance {rtol:g})"
+      )
+    for label, d, _ in self._checked():
+      if not d.ok(rtol, atol):
+        if label.startswith("inner update"):
+          return (
+            f"FAIL: the gradients agree but the {label} differs by more than a gradient within "
+            f"its tolerance moves it ({d.beyond_allowance:.2g} beyond): the inner optimizer "
+            "sees something else (its state, params or extra args)"
+          )
+        return f"FAIL: the {label} differs from the batch's by {d.max_rel:.2g} (tolerance {rtol:g})"
+    raise AssertionError("unreachable: a failed check names its row")  # pragma: no cover
+
+  def _weights_line(self) -> str:
+    head = f"weights: you passed {self._passed_text()}"
+    if self.loss_weights is None:
+      if self.loss_weights_residual == 0:
+        return f"{head}; the batch's gradient is 0: no weights to fit"
+      return (
+        f"{head}; no weighting reproduces the batch (fit residual "
+        f"{self.loss_weights_residual:.2g}, tolerance {self.fit_tolerance:.2g})"
+      )
+    implied = ", ".join(f"{a:.3g}" for a in self.loss_weights)
+    fit = f"fit residual {self.loss_weights_residual:.2g}"
+    total = self.loss_weights_sum
+    scale = f", times {total:.3g} (a sum, not a mean)" if abs(total - 1) > 1e-2 else ""
+    if self.weights_residual <= self.fit_tolerance:
+      return f"{head}; the loss implies the same: ({implied}) of the window ({fit})"
+    target = self._loss_weighting()
+    named = f" = {target.describe()}" if target is not None else ""
+    return f"{head}; the loss implies ({implied}) of the window{named}{scale} ({fit})"
+
+  def _render(self, rtol: float, atol: float) -> str:
+    k = len(self.weights)
     lines = [
-      f"optax_accum equivalence check: {len(self.weights)} microbatches, weights [{w}] "
-      f"(sum {sum(self.weights):g}), updates applied: {self.num_updates}",
-      f"{'vs one physical batch':<34}{'max abs':>11}{'max rel':>11}",
+      f"optax_accum pre-flight: one window of {k} microbatches vs one physical batch",
+      self.verdict(rtol, atol),
+      self._weights_line(),
     ]
-    rows = [
-      ("loss, in-step", self.loss),
-      ("gradient, in-step", self.grad_in_step),
-      ("sgd(1) step, across-step", self.sgd_across_step),
-      ("inner update, in-step", self.update_in_step),
-      ("inner update, across-step", self.update_across_step),
-      ("mean of means would give (grad)", self.mean_of_means),
-    ]
-    lines += [f"{name:<34}{d.max_abs:>11.3g}{d.max_rel:>11.3g}" for name, d in rows]
-    layers = ", ".join(self.batch_dependent_layers) or "none found"
-    lines.append(f"batch-dependent layers: {layers}")
+    if self.batch_dependent_layers:
+      layers = ", ".join(self.batch_dependent_layers)
+      lines.append(f"batch-dependent layers (BatchNorm in train mode): {layers}")
+    lines.append(f"{'vs one physical batch':<34}{'max abs':>11}{'max rel':>11}{'tolerance':>13}")
+    for label, d, allowance in self._checked():
+      result = "ok" if d.ok(rtol, atol) else "FAIL"
+      tol = f"{atol + rtol * d.scale:>13.3g}" if not allowance else f"{'elementwise*':>13}"
+      lines.append(f"{label:<34}{d.max_abs:>11.3g}{d.max_rel:>11.3g}{tol}  {result}")
+    m = self.mean_of_means
+    tol_m = atol + rtol * m.scale
+    over = f"{m.max_abs / tol_m:,.0f}x the tolerance" if tol_m > 0 else ""
+    lines.append(
+      f"{'mean of means would give (grad)':<34}{m.max_abs:>11.3g}{m.max_rel:>11.3g}"
+      f"{tol_m:>13.3g}  not checked: {over}"
+    )
+    lines.append(f"updates applied: {self.num_updates} (1 expected)")
+    lines.append(
+      "* plus, per element, how far the inner update moves when the gradient moves by its\n"
+      "  tolerance (Adam's first step g / (|g| + eps) is steep where |g| is near eps)"
+    )
     return "\n".join(lines)
 
+  def __str__(self) -> str:
+    return self._render(_RTOL, _ATOL)
 
-def batch_dependent_layers(model: Any) -> tuple[str, ...]:
+
+def _batch_dependent_layers(model: Any) -> tuple[str, ...]:
   """Paths of batch-dependent layers in a Flax model or Linen variables.
 
   Args:
@@ -151,8 +383,8 @@ def batch_dependent_layers(model: Any) -> tuple[str, ...]:
     A tuple of paths, e.g. ``('bn',)``; ``()`` if none or for any other input (never raises).
 
   Examples:
-    >>> from optax_accum.testing import batch_dependent_layers
-    >>> batch_dependent_layers({'params': {}, 'batch_stats': {'BatchNorm_0': {}}})
+    >>> from optax_accum.testing import _batch_dependent_layers
+    >>> _batch_dependent_layers({'params': {}, 'batch_stats': {'BatchNorm_0': {}}})
     ('batch_stats/BatchNorm_0',)
   """
   if isinstance(model, Mapping) and "batch_stats" in model:
@@ -176,14 +408,14 @@ def batch_dependent_layers(model: Any) -> tuple[str, ...]:
 
 def _warn_if_batch_dependent(params: Any, model: Any) -> tuple[str, ...]:
   """The batch-dependent layers of ``params`` and ``model``, with a warning if there are any."""
-  layers = batch_dependent_layers(params) + batch_dependent_layers(model)
+  layers = _batch_dependent_layers(params) + _batch_dependent_layers(model)
   if layers:
     warnings.warn(
       f"The model has batch-dependent layers ({', '.join(layers)}): BatchNorm in train mode "
       "normalizes each microbatch with its own statistics (and updates running averages "
       "once per microbatch), so gradient accumulation will NOT reproduce one physical batch "
       "for it. Use LayerNorm/GroupNorm/RMSNorm, or accept the difference this check reports.",
-      BatchDependentLayerWarning,
+      _BatchDependentLayerWarning,
       stacklevel=3,
     )
   return layers
@@ -202,6 +434,147 @@ def _functional(loss_fn: Callable, params: Any) -> tuple[Callable, PyTree]:
   return loss_fn, params
 
 
+def _wide(x: jax.Array) -> jax.Array:
+  """``x`` in the wider of its dtype and float32 (what the differences are computed in)."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _difference(x: PyTree, ref: PyTree, allowance: PyTree = None) -> jax.Array:
+  """``[max |x - ref|, max |ref|, max (|x - ref| - allowance)]`` over all elements (traceable).
+
+  Examples:
+    >>> _difference({'a': jnp.array([1.0, 2.5])}, {'a': jnp.array([1.0, 2.0])}).tolist()
+    [0.5, 2.0, 0.5]
+  """
+  xs, rs = jax.tree.leaves(x), jax.tree.leaves(ref)
+  allows = jax.tree.leaves(allowance) if allowance is not None else [None] * len(rs)
+  zero = jnp.zeros((), jnp.float32)
+  max_abs, scale, beyond = zero, zero, zero
+  for a, r, allow in zip(xs, rs, allows, strict=True):
+    diff = jnp.abs(_wide(a) - _wide(r)).astype(jnp.float32)
+    max_abs = jnp.maximum(max_abs, jnp.max(diff, initial=0.0))
+    scale = jnp.maximum(scale, jnp.max(jnp.abs(_wide(r)).astype(jnp.float32), initial=0.0))
+    over = diff if allow is None else diff - _wide(allow).astype(jnp.float32)
+    beyond = jnp.maximum(beyond, jnp.max(over, initial=0.0))
+  return jnp.stack([max_abs, scale, beyond])
+
+
+def _as_difference(stats: np.ndarray, allowance: bool = False) -> Difference:
+  max_abs, scale, beyond = (float(v) for v in stats)
+  rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+  return Difference(max_abs, rel, scale, beyond if allowance else None)
+
+
+def _signs(x: jax.Array) -> jax.Array:
+  """A fixed pseudo-random +-1 per element of ``x``'s shape (float32; a multiplicative hash of
+  the element's index: elementwise integer arithmetic, cheaper than ``jax.random``)."""
+  index = jnp.zeros(x.shape, jnp.uint32)
+  for d in range(x.ndim):
+    index = index * jnp.uint32(x.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)
+  hashed = (index + jnp.uint32(1)) * jnp.uint32(0x9E3779B1)
+  return jnp.where(hashed >> 31 == 1, 1.0, -1.0).astype(jnp.float32)
+
+
+def _allowance(inner, g_ref, inner_state, params, u_ref) -> PyTree:
+  """Per element, how far ``inner``'s update moves when the gradient moves by its tolerance.
+
+  The gradient's tolerance ``atol + rtol * max |g|`` (the defaults), added with a fixed
+  pseudo-random sign per element and subtracted: the larger of the two changes of the update.
+  Mixed signs keep a global norm (``clip_by_global_norm``) where rounding would leave it.
+  """
+  leaves = jax.tree.leaves(g_ref)
+  scale = jnp.max(jnp.stack([jnp.max(jnp.abs(_wide(g)), initial=0.0) for g in leaves] + [0.0]))
+  tol = _ATOL + _RTOL * scale
+  shift = jax.tree.map(lambda g: (_signs(g) * tol).astype(g.dtype), g_ref)
+  u_hi = inner.update(jax.tree.map(jnp.add, g_ref, shift), inner_state, params)[0]
+  u_lo = inner.update(jax.tree.map(jnp.subtract, g_ref, shift), inner_state, params)[0]
+  return jax.tree.map(
+    lambda hi, lo, u: jnp.maximum(jnp.abs(_wide(hi) - _wide(u)), jnp.abs(_wide(lo) - _wide(u))),
+    u_hi,
+    u_lo,
+    u_ref,
+  )
+
+
+def _gram(grads: PyTree, g_ref: PyTree, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``G G^T`` (``[K, K]``), ``G g_ref`` (``[K]``) and ``|g_ref|^2`` of the stacked gradients.
+
+  Products and sums of elements, in float32 (or wider): no matmul (TPUs multiply float32 in
+  bfloat16 passes by default) and no reshape (a leaf sharded with explicit axes keeps its
+  sharding); XLA fuses each product into its reduction.
+  """
+  gram, proj, ref_sq = jnp.zeros((k, k)), jnp.zeros((k,)), jnp.zeros(())
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref), strict=True):
+    g, r = _wide(g), _wide(r)
+    rest = tuple(range(1, g.ndim))
+    gram = gram + jnp.sum(g[:, None] * g[None], axis=tuple(a + 1 for a in rest)).astype(gram.dtype)
+    proj = proj + jnp.sum(g * r[None], axis=rest).astype(proj.dtype)
+    ref_sq = ref_sq + jnp.sum(jnp.square(r)).astype(ref_sq.dtype)
+  return gram, proj, ref_sq
+
+
+@jax.jit
+def _residuals(grads: PyTree, g_ref: PyTree, weights: jax.Array) -> jax.Array:
+  """``|g_ref - sum_k W[m, k] g_k|`` for each row ``m`` of ``weights`` (``[M, K]``, a few rows):
+  one fused reduction per row and leaf, no gradient-sized temporary."""
+  sq = jnp.zeros(weights.shape[:1])
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref), strict=True):
+    g, r = _wide(g), _wide(r)
+    w = weights.astype(g.dtype)
+    rows = []
+    for m in range(w.shape[0]):
+      fit = sum(w[m, k] * g[k] for k in range(w.shape[1]))
+      rows.append(jnp.sum(jnp.square(r - fit)))
+    sq = sq + jnp.stack(rows).astype(sq.dtype)
+  return jnp.sqrt(sq)
+
+
+def _solve(gram: np.ndarray, proj: np.ndarray) -> tuple[np.ndarray, int]:
+  """The least-squares ``a`` of ``g_ref = sum_k a_k g_k`` from the normal equations, in float64,
+  and the rank it found.
+
+  The Gram matrix is scaled to unit diagonal first; directions below 1e-6 of its largest
+  singular value (float32 Gram entries) and microbatches with a zero gradient get weight 0.
+
+  Examples:
+    >>> a, rank = _solve(np.array([[1.0, 0.0], [0.0, 4.0]]), np.array([0.5, 2.0]))
+    >>> a.tolist(), rank
+    ([0.5, 0.5], 2)
+  """
+  gram, proj = np.asarray(gram, np.float64), np.asarray(proj, np.float64)
+  d = np.sqrt(np.maximum(np.diag(gram), 0.0))
+  d = np.where(d > 0, d, 1.0)
+  a, _, rank, _ = np.linalg.lstsq(gram / np.outer(d, d), proj / d, rcond=1e-6)
+  return a / d, int(rank)
+
+
+def _fit_tolerance(grads: PyTree) -> float:
+  """``1000 * eps`` of the gradient's widest-eps dtype, at most 0.01 (1.2e-4 for float32)."""
+  eps = max((float(jnp.finfo(g.dtype).eps) for g in jax.tree.leaves(grads)), default=1e-7)
+  return min(1e3 * eps, 1e-2)
+
+
+def _countable(batch: PyTree) -> list[tuple[int, str]]:
+  """(leaf index, key path) of the batch's leaves that may be masks: numeric or bool, not 0-d."""
+  found = []
+  for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(batch)[0]):
+    dtype = jnp.result_type(x)
+    if np.ndim(x) >= 1 and (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
+      found.append((i, jax.tree_util.keystr(path)))
+  return found
+
+
+def _mask_sums(micro: PyTree, leaves: list[int], k: int) -> tuple[jax.Array, jax.Array]:
+  """Per-microbatch sums ``[L, K]`` of the given leaves, and whether each holds only 0 and 1."""
+  xs = jax.tree.leaves(micro)
+  sums, flags = [jnp.zeros((0, k))], [jnp.zeros((0,), bool)]
+  for i in leaves:
+    x, rest = xs[i], tuple(range(1, xs[i].ndim))
+    sums.append(jnp.sum(x.astype(jnp.float32), axis=rest)[None])
+    flags.append(jnp.all((x == 0) | (x == 1))[None])
+  return jnp.concatenate(sums), jnp.concatenate(flags)
+
+
 def check_equivalence(
   loss_fn: Callable[[Any, PyTree], jax.Array],
   params: Any,
@@ -214,12 +587,25 @@ def check_equivalence(
   strided: bool = True,
   has_aux: bool = False,
 ) -> EquivalenceReport:
-  """Runs one accumulated window both ways and one physical batch, and compares them.
+  """Runs one accumulated window both ways and one physical batch, compares them, fits weights.
 
   One ``jax.jit`` run: the physical batch, in-step :func:`optax_accum.microbatched_value_and_grad`
   and across-step :func:`optax_accum.accumulate` on ``num_microbatches`` slices, weighted by
   ``weight_fn``. ``optax.sgd(1.0)`` is compared too (Adam's first step hides a wrong divisor).
   Keep dropout off (masks differ between paths).
+
+  The weights the loss implies: with ``g_k`` each microbatch's gradient and ``g_batch`` the
+  batch's, the least-squares ``a`` of ``g_batch = sum_k a_k g_k`` over all parameter elements
+  (the ``K x K`` normal equations, their Gram matrix computed on the device and solved in
+  float64 on the host, then one pass for the residuals). A loss that is a weighted mean of
+  microbatch losses has a residual at rounding, and ``a`` is proportional to the counts its
+  means are over; the report names them (rows, or a mask-like leaf's sum) and the ``weight``
+  to pass. No weighting reproduces BatchNorm or in-batch negatives: ``loss_weights`` is None.
+
+  The inner-update rows allow each element the change of ``inner``'s update when the gradient
+  moves by its own tolerance (``1e-6 + 1e-5 * max |g|``, with random signs, both ways): Adam's
+  first step ``g / (|g| + eps)`` turns float32 rounding of a gradient near ``eps`` into a
+  visible step, which is not an accumulation error. A wrong weight fails the gradient rows.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` -> the MEAN loss over examples / unmasked tokens (scalar).
@@ -235,13 +621,13 @@ def check_equivalence(
     has_aux: ``loss_fn`` returns ``(loss, aux)``, as in ``jax.value_and_grad``; aux is unused.
 
   Returns:
-    An :class:`EquivalenceReport`; ``print(report)`` shows a table.
+    An :class:`EquivalenceReport`; ``print(report)`` shows the verdict and a table.
 
   Raises:
     ValueError: if the batch cannot be split into ``num_microbatches``.
 
   Warns:
-    BatchDependentLayerWarning: if ``model`` or ``params`` has BatchNorm or ``batch_stats``.
+    PitfallWarning: if ``model`` or ``params`` has BatchNorm or ``batch_stats``.
 
   Examples:
     >>> import optax
@@ -251,8 +637,11 @@ def check_equivalence(
     >>> batch = {'x': jnp.arange(16.0).reshape(8, 2) / 8, 'y': jnp.arange(8.0)}
     >>> report = testing.check_equivalence(
     ...     loss_fn, jnp.zeros(2), batch, optax.adam(1e-3), num_microbatches=4)
-    >>> report.passed(), report.num_updates
-    (True, 1)
+    >>> report.passed(), report.num_updates, report.loss_weights  # rows: 2 of 8 each
+    (True, 1, (0.25, 0.25, 0.25, 0.25))
+    >>> print(report.verdict())
+    PASS: the accumulated window equals one physical batch to float32 rounding (gradient ...
+    of its largest element; tolerance 1e-05)
   """
   layers = _warn_if_batch_dependent(params, model)
   f, p = _functional((lambda *a: loss_fn(*a)[0]) if has_aux else loss_fn, params)
@@ -268,6 +657,7 @@ def check_equivalence(
     loss_in, g_in = mvg(params, batch)
     inner_state = inner.init(params)
     u_ref = inner.update(g_ref, inner_state, params)[0]
+    allowance = _allowance(inner, g_ref, inner_state, params, u_ref)
 
     def microstep(carry, mb):
       s_sgd, s_inner, sum_sgd, sum_inner = carry
@@ -281,79 +671,77 @@ def check_equivalence(
     carry = (sgd1.init(params), acc_inner.init(params), zeros, zeros)
     micro = split_batch(batch, k, strided=strided)
     (_, s_inner, sum_sgd, sum_inner), (grads, weights) = jax.lax.scan(microstep, carry, micro)
-    pairs = {  # (value, its physical-batch reference) per row of the report
-      "loss": (loss_in, loss_ref),
-      "grad_in_step": (g_in, g_ref),
-      "sgd_across_step": (sum_sgd, jax.tree.map(jnp.negative, g_ref)),
-      "update_in_step": (inner.update(g_in, inner_state, params)[0], u_ref),
-      "update_across_step": (sum_inner, u_ref),
-      "mean_of_means": (jax.tree.map(lambda g: jnp.mean(g, axis=0), grads), g_ref),
+    stats = {  # max abs, scale, beyond the allowance: per row of the report
+      "loss": _difference(loss_in, loss_ref),
+      "grad_in_step": _difference(g_in, g_ref),
+      "sgd_across_step": _difference(sum_sgd, jax.tree.map(jnp.negative, g_ref)),
+      "update_in_step": _difference(inner.update(g_in, inner_state, params)[0], u_ref, allowance),
+      "update_across_step": _difference(sum_inner, u_ref, allowance),
+      "mean_of_means": _difference(jax.tree.map(lambda g: jnp.mean(g, axis=0), grads), g_ref),
     }
-    return pairs, metrics(s_inner).num_updates, weights
+    sums = _mask_sums(micro, [i for i, _ in countable], k)
+    host = (stats, metrics(s_inner).num_updates, weights, _gram(grads, g_ref, k), sums)
+    return host, (grads, g_ref)
 
-  pairs, num_updates, weights = jax.device_get(run(p, batch))
+  countable = _countable(batch)
+  host, (grads, g_ref) = run(p, batch)
+  stats, num_updates, weights, (gram, proj, ref_sq), (mask_sums, mask_flags) = jax.device_get(host)
+  rows = float(np.shape(jax.tree.leaves(batch)[0])[0] // k)
+  candidates = [("rows", np.full(k, rows))]
+  candidates += [
+    (name, s) for (_, name), s, m in zip(countable, mask_sums, mask_flags, strict=True) if m
+  ]
+
+  # The fit, then one pass for the residuals of the fit, the weights used and each count.
+  a, rank = _solve(gram, proj)
+  weights = np.asarray(weights, np.float64)
+  unit = lambda w: w / w.sum() if w.sum() != 0 else w
+  rows_w = np.stack([a, unit(weights)] + [unit(np.asarray(c, np.float64)) for _, c in candidates])
+  norm = float(np.sqrt(ref_sq))
+  distinct, which = np.unique(rows_w.astype(np.float32), axis=0, return_inverse=True)
+  res = np.asarray(jax.device_get(_residuals(grads, g_ref, jnp.asarray(distinct))))
+  res = res[np.reshape(which, -1)]  # one pass per distinct weighting
+  rel = (res / norm) if norm > 0 else np.where(res > 0, np.inf, 0.0)
+  tol = _fit_tolerance(g_ref)
+  fitted = rel[0] <= tol and a.sum() != 0 and norm > 0
+  named = [unit(c) for (_, c), r in zip(candidates, rel[2:], strict=True) if r <= tol]
+  if fitted and rank < k and named:  # not unique (fewer parameters than microbatches, or a
+    a = named[0]  # zero gradient): the batch's count that reproduces it (a mean: sum 1)
   return EquivalenceReport(
-    **{name: _difference(x, ref) for name, (x, ref) in pairs.items()},
+    **{name: _as_difference(s, allowance=name.startswith("update")) for name, s in stats.items()},
     num_updates=int(num_updates),
     weights=tuple(float(w) for w in weights),
     batch_dependent_layers=layers,
+    loss_weights=tuple(float(x) for x in a / a.sum()) if fitted else None,
+    loss_weights_residual=float(rel[0]),
+    loss_weights_sum=float(a.sum()),
+    weights_residual=float(rel[1]),
+    weightings=tuple(
+      Weighting(n, tuple(float(x) for x in c), float(r))
+      for (n, c), r in zip(candidates, rel[2:], strict=True)
+    ),
+    fit_tolerance=tol,
   )
 
 
-def assert_equivalent(
+def _assert_equivalent(
   loss_fn: Callable[[Any, PyTree], jax.Array],
   params: Any,
   batch: PyTree,
   inner: optax.GradientTransformation,
   *,
-  num_microbatches: int,
-  weight_fn: Callable[[PyTree], Any] | None = None,
-  model: Any = None,
-  strided: bool = True,
-  has_aux: bool = False,
-  rtol: float = 1e-5,
-  atol: float = 1e-6,
+  rtol: float = _RTOL,
+  atol: float = _ATOL,
+  **kwargs: Any,
 ) -> EquivalenceReport:
-  """:func:`check_equivalence` that raises unless every row is within ``atol + rtol * scale``.
-
-  Args:
-    loss_fn, params, batch, inner, num_microbatches, weight_fn, model, strided, has_aux:
-      as in :func:`check_equivalence`.
-    rtol: relative tolerance, against the reference's largest magnitude.
-    atol: absolute tolerance. The float32 defaults allow rounding only.
-
-  Returns:
-    The :class:`EquivalenceReport`.
-
-  Raises:
-    AssertionError: with the report's table, if the check fails.
-
-  Examples:
-    >>> import optax
-    >>> from optax_accum import testing
-    >>> def loss_fn(w, batch):  # masked mean of 0.5 * (w - y)**2 over the real rows
-    ...   m = batch['mask']
-    ...   return (0.5 * (w - batch['y']) ** 2 * m).sum() / jnp.maximum(m.sum(), 1.0)
-    >>> batch = {'y': jnp.arange(8.0), 'mask': jnp.array([1., 1, 1, 0, 1, 0, 0, 0])}
-    >>> report = testing.assert_equivalent(  # weights 2, 1, 1, 0 per microbatch
-    ...     loss_fn, jnp.asarray(0.5), batch, optax.sgd(0.1),
-    ...     num_microbatches=4, weight_fn=lambda mb: mb['mask'].sum())
-    >>> report.weights
-    (2.0, 1.0, 1.0, 0.0)
-  """
-  report = check_equivalence(
-    loss_fn,
-    params,
-    batch,
-    inner,
-    num_microbatches=num_microbatches,
-    weight_fn=weight_fn,
-    model=model,
-    strided=strided,
-    has_aux=has_aux,
-  )
-  if not report.passed(rtol=rtol, atol=atol):
-    raise AssertionError(
-      f"Accumulation does not reproduce one physical batch (rtol={rtol}, atol={atol}):\n{report}"
-    )
+  """The 0.3 spelling of ``check_equivalence(...).assert_passed(rtol=, atol=)``."""
+  report = check_equivalence(loss_fn, params, batch, inner, **kwargs)
+  report.assert_passed(rtol=rtol, atol=atol)
   return report
+
+
+def __getattr__(name: str) -> Any:
+  """0.3's names, with a ``DeprecationWarning`` naming their replacement (PEP 562)."""
+  from optax_accum import _migration
+
+  return _migration.attribute("optax_accum.testing", name)

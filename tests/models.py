@@ -258,8 +258,8 @@ def nnx_mlp(
     ImportError: if ``flax`` is not installed.
 
   Examples:
-    >>> from optax_accum.testing import batch_dependent_layers
-    >>> batch_dependent_layers(nnx_mlp(batch_norm=True))
+    >>> from optax_accum.testing import _batch_dependent_layers
+    >>> _batch_dependent_layers(nnx_mlp(batch_norm=True))
     ('bn',)
   """
   from flax import nnx

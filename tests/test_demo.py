@@ -1,5 +1,6 @@
 """Tests of the demo: its training function against hand-built references, and the CLI."""
 
+import json
 import os
 import re
 import subprocess
@@ -142,12 +143,14 @@ def test_cli_help_shows_the_defaults_of_both_configurations(capsys):
   with pytest.raises(SystemExit) as e:
     main(["demo", "--help"])
   assert e.value.code == 0
-  text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+  # Undo argparse's line wrapping (which also breaks after hyphens).
+  text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
   full, quick = demo.DemoConfig(), demo.QUICK
   assert f"lines per microbatch (default: {full.microbatch_size}; {quick.microbatch_size} with" in (
     text
   )
-  assert f"(the window) (default: {full.every_k})" in text  # the same in both
+  # The same in both; with the token budget on (the default) --every-k does not close windows.
+  assert f"sets only the pre-flight's window (default: {full.every_k})" in text
   assert f"(default: {full.updates}; {quick.updates} with --quick)" in text
 
 
@@ -208,11 +211,12 @@ def _number(pattern, text):
 
 
 @pytest.mark.slow
-def test_quick_demo_runs_and_learns():
+def test_quick_demo_runs_and_learns(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # conftest's 8 fake devices are not what a user runs with
+  record_path = tmp_path / "demo.json"
   proc = subprocess.run(
-    [sys.executable, "-m", "optax_accum", "demo", "--quick"],
+    [sys.executable, "-m", "optax_accum", "demo", "--quick", "--record", str(record_path)],
     capture_output=True,
     text=True,
     env=env,
@@ -231,9 +235,20 @@ def test_quick_demo_runs_and_learns():
   window = train_lines[: cfg.every_k * cfg.microbatch_size]
   per_row = np.array(_real_bytes(window, cfg.seq_len)).reshape(cfg.every_k, -1)
   weights = ", ".join(str(int(w)) for w in per_row.sum(axis=1))
-  assert f"weights [{weights}]" in out
+  # The weights the loss implies (the fit) are the real bytes, as passed.
+  implied = ", ".join(f"{w:.3g}" for w in per_row.sum(axis=1) / per_row.sum())
+  assert (
+    f"weights: you passed unmasked ['mask'] ({weights}); the loss implies the same: ({implied})"
+  ) in out
   assert len(set(per_row.sum(axis=1))) > 1  # microbatches hold different numbers of tokens
   assert "updates applied: 1" in out
+  assert "\nPASS: the accumulated window equals one physical batch" in out
+  # The record (--record) holds exactly what the demo printed, and its numbers.
+  record = json.loads(record_path.read_text())
+  assert record["output"] == proc.stdout and record["exit_code"] == 0
+  assert record["command"] == "optax-accum demo --quick"
+  assert record["summary"]["preflight"]["passed"] is True
+  assert record["summary"]["metrics"]["num_updates"] == cfg.updates
 
   # Training: the plan, an estimate, plain progress lines (no terminal), the loss drops.
   assert "\r" not in out  # no tqdm frames
@@ -264,3 +279,116 @@ def test_quick_demo_runs_and_learns():
   low, mean, high = _number(r"tokens per update: min (\d+), mean (\d+), max (\d+)", out)
   assert (low, high) == (min(per_update), max(per_update))
   assert mean == pytest.approx(np.mean(per_update), abs=0.5)
+
+
+def _stub_training(monkeypatch, effect=None):
+  """Replaces the (compiling) memory check and training with stubs; returns the configs trained."""
+  from optax_accum.demo import plan
+
+  trained = []
+
+  def train(config, *, out, progress):
+    trained.append(config)
+    print("trained", file=out)
+    if effect is not None:
+      raise effect
+
+  monkeypatch.setattr(plan, "check_fits", lambda config: None)
+  monkeypatch.setattr(demo, "train", train)
+  return trained
+
+
+def test_ctrl_c_ends_the_demo_with_a_line_not_a_traceback(monkeypatch, capsys):
+  _stub_training(monkeypatch, effect=KeyboardInterrupt())
+  assert main(["demo", "--quick"]) == 130  # 128 + SIGINT, as a shell reports it
+  err = capsys.readouterr().err
+  assert err == "\noptax-accum demo: interrupted (Ctrl-C)\n"
+
+
+def test_every_k_with_the_token_budget_says_it_sets_only_the_preflight(monkeypatch, capsys):
+  trained = _stub_training(monkeypatch)
+  assert main(["demo", "--quick", "--every-k", "8"]) == 0
+  assert main(["demo", "--quick", "--every-k", "8", "--tokens-per-update", "0"]) == 0
+  assert main(["demo", "--quick"]) == 0
+  out = capsys.readouterr().out
+  assert [(c.every_k, c.tokens_per_update) for c in trained] == [
+    (8, demo.QUICK.tokens_per_update),
+    (8, None),
+    (demo.QUICK.every_k, demo.QUICK.tokens_per_update),
+  ]
+  note = (
+    f"note: --every-k 8 sets only the pre-flight's window: windows close at --tokens-per-update "
+    f"{demo.QUICK.tokens_per_update} real bytes (add --tokens-per-update 0 for windows of 8 "
+    "microbatches)"
+  )
+  assert out.splitlines() == [note, "trained", "trained", "trained"]
+
+
+def test_record_writes_the_output_and_the_command(monkeypatch, capsys, tmp_path):
+  _stub_training(monkeypatch)
+  path = tmp_path / "run.json"
+  assert main(["demo", "--quick", "--updates", "3", "--record", str(path)]) == 0
+  record = json.loads(path.read_text())
+  assert record["output"] == capsys.readouterr().out == "trained\n"
+  assert record["command"] == "optax-accum demo --quick --updates 3"
+  assert record["machine"]["jax"] == jax.__version__ and record["summary"] is None
+
+
+def test_a_flax_too_old_for_jax_names_both_versions_and_the_fix(monkeypatch, capsys):
+  """flax 0.11.0 with jax 0.9.2 fails to import: the message names both and flax >= 0.12.2
+  (pyproject.toml), not the install command that changes nothing."""
+  import optax_accum.demo
+  from optax_accum.demo import cli
+
+  installed = {"jax": "0.9.2", "flax": "0.11.0", "tqdm": "4.67.1"}
+  monkeypatch.setattr(cli, "_version", installed.get)
+  # The import fails as it did: the demo's train module cannot be imported.
+  monkeypatch.setitem(sys.modules, "optax_accum.demo.train", None)
+  monkeypatch.delattr(optax_accum.demo, "train", raising=False)
+  with pytest.raises(SystemExit) as e:
+    main(["demo", "--quick"])
+  assert e.value.code == 1
+  err = capsys.readouterr().err
+  assert err.startswith(
+    "optax-accum demo: flax 0.11.0 is installed but does not run with jax 0.9.2: with jax >= "
+    '0.8.2 use flax >= 0.12.2: pip install -U "flax>=0.12.2" (or keep flax 0.11.0 with pip '
+    'install "jax<0.8.2")'
+  )
+  assert "optax_accum.demo.train" in err  # the import error itself
+
+  # Missing packages get the install command; new enough ones get the error itself.
+  installed.update(flax=None, tqdm=None)
+  assert cli.install_hint(ImportError("x")).startswith(
+    "optax-accum demo needs flax and tqdm: pip install"
+  )
+  installed.update(flax="0.12.8", tqdm="4.67.1", jax="0.10.2")
+  assert cli.install_hint(ImportError("boom")) == (
+    "optax-accum demo: flax 0.12.8, tqdm 4.67.1 and jax 0.10.2 are installed, but the demo's "
+    "imports failed: boom"
+  )
+  installed.update(flax="0.11.0", jax="0.8.1")  # flax 0.11 runs with jax < 0.8.2
+  assert "does not run" not in cli.install_hint(ImportError("boom"))
+
+
+def test_the_timing_line_goes_above_the_progress_bar_not_into_it(monkeypatch):
+  import io
+
+  class Terminal(io.StringIO):  # stdout and stderr on one screen, as in a terminal
+    def isatty(self):
+      return True
+
+  screen = Terminal()
+  monkeypatch.setattr(sys, "stdout", screen)
+  monkeypatch.setattr(sys, "stderr", screen)
+  cfg = demo.DemoConfig(updates=10)
+  shown = console.Progress(screen, cfg, progress=True)
+  assert not shown.bar.disable  # the bar is on
+  shown.bar.update(3)
+  shown.bar.refresh()
+  console.estimate(shown.write, 1.0, (0.0, 0), 5, 50)
+  shown.bar.close()
+  text = screen.getvalue()
+  before, line, after = text.partition("timing: 5 microbatches in")
+  assert line and "3/10" in before and "3/10" in after  # the bar, drawn again below the line
+  # The bar was cleared (carriage return, no bar text) right before the line started.
+  assert before.endswith("\r") and before.rstrip("\r ").endswith(("]", "\r"))

@@ -10,7 +10,7 @@ import ast
 import re
 
 import pytest
-from _markdown import ROOT, python_blocks, run_blocks
+from _markdown import ROOT, commented_sample, python_blocks, run_blocks, same_output
 
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 RUNNABLE = [p for p in PAGES if any(not sketch for _, sketch in python_blocks(p))]
@@ -184,6 +184,9 @@ PRINTS = {
   ],
 }
 
+# page -> the line whose printed output the page shows as the comment lines right below it.
+SAMPLES = {"in_step.md": "print(report)"}
+
 
 def test_sketches_are_the_exception():
   blocks = [sketch for p in PAGES for _, sketch in python_blocks(p)]
@@ -205,6 +208,13 @@ def test_docs_page_python_blocks_run_in_order(page, tmp_path):
     assert len(printed) == len(PRINTS[page.name]), out
     for pattern, line in zip(PRINTS[page.name], printed, strict=True):
       assert re.fullmatch(pattern, line), (pattern, line)
+  if page.name in SAMPLES:  # the page's sample output is what its block prints
+    i = next(i for i, code in enumerate(blocks) if SAMPLES[page.name] in code)
+    block_out = out.split(f"block {i} ran]\n")[-1].split(f"[{page.name}: block {i + 1} ran]")[0]
+    sample = commented_sample(blocks[i], SAMPLES[page.name])
+    assert not same_output(block_out.splitlines(), sample), same_output(
+      block_out.splitlines(), sample
+    )
 
 
 def _design_rows() -> dict[str, set[str]]:

@@ -113,7 +113,7 @@ def test_readme_python_blocks_run_in_order(tmp_path):
   assert out.count("ran]") == len(code)
   # What the text says the blocks print.
   assert "2 updates, 0 microbatches pending" in out
-  assert "optax_accum equivalence check: 4 microbatches" in out
+  assert "optax_accum pre-flight: one window of 4 microbatches" in out
   # The planning block prints what its comments say (up to a colon's explanation).
   planning = next(c for c in code if "plan_microbatch" in c)
   for said in re.findall(r"^print\(.*\)  # ([^:\n]+)", planning, flags=re.M):
@@ -121,6 +121,16 @@ def test_readme_python_blocks_run_in_order(tmp_path):
   grad = re.search(r"gradient, in-step +\S+ +(\S+)", out)
   mean_of_means = re.search(r"mean of means would give \(grad\) +\S+ +(\S+)", out)
   assert float(grad.group(1)) < 1e-5 < 1e-2 < float(mean_of_means.group(1))
+  text = README.read_text()
+  verdict = re.search(r"^(PASS|FAIL): ", out, flags=re.M).group(1)
+  assert f"prints a verdict (here `{verdict}`" in text and verdict == "PASS"
+  claimed = re.search(r"here ([\d.]+) of the gradient's largest element", text).group(1)
+  assert claimed == mean_of_means.group(1)  # the number the table prints (3 digits)
+  # The comment after each print(...) of the planning block is the line it prints.
+  printed = out.splitlines()
+  for line in next(c for c in code if "plan_microbatch" in c).splitlines():
+    if line.startswith("print(") and "  # " in line:
+      assert line.split("  # ", 1)[1] in printed, (line, out)
 
 
 def _compiled_bytes(step, *args):

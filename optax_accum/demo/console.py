@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import jax
@@ -39,21 +40,22 @@ def since(mark: tuple[float, int]) -> float:
 
 
 def estimate(
-  out: TextIO | None, elapsed: float, mark: tuple[float, int], done: int, planned: int
+  say: Callable[[str], None], elapsed: float, mark: tuple[float, int], done: int, planned: int
 ) -> None:
-  """Prints the estimated training time from ``done - mark[1]`` microbatches timed since mark."""
+  """Says the estimated training time from ``done - mark[1]`` microbatches timed since mark.
+
+  ``say`` prints a line (:meth:`Progress.write`: above the progress bar, never into it).
+  """
   per_microbatch = since(mark) / (done - mark[1])
   estimate = elapsed + per_microbatch * (planned - done)
-  write(
-    out,
+  say(
     f"timing: {done - mark[1]} microbatches in {since(mark):.1f} s; estimated training time "
-    f"{duration(estimate)} for {planned:,} microbatches",
+    f"{duration(estimate)} for {planned:,} microbatches"
   )
   if estimate > LONG_RUN_SECONDS:
-    write(
-      out,
+    say(
       f"warning: a long run (about {duration(estimate)}); Ctrl-C stops it, --quick or "
-      "smaller --updates / --every-k make it shorter",
+      "smaller --updates make it shorter"
     )
 
 
@@ -88,13 +90,23 @@ class Progress:
     self.bar = tqdm(total=config.updates, unit="update", disable=not use_bar, file=sys.stderr)
     self.t0 = self.last_postfix = time.perf_counter()
 
+  def write(self, text: str) -> None:
+    """Prints a line to ``out``; with the bar on, above it (``tqdm.write`` clears the bar,
+    prints, and redraws it), never into the middle of it."""
+    if self.out is None:
+      return
+    if self.bar.disable:
+      write(self.out, text)
+    else:
+      tqdm.write(text, file=self.out)
+      self.out.flush()
+
   def closed(self, m: Any, before: int, after: int, tokens: int, window_tokens: int) -> None:
     """A window closed: ``num_updates`` went from ``before`` to ``after``."""
     self.bar.update(after - before)
     if self.lines_every and after // self.lines_every > before // self.lines_every:
       elapsed = time.perf_counter() - self.t0
-      write(
-        self.out,
+      self.write(
         f"update {after}/{self.config.updates}: loss {float(m.window_loss):.3f}, "
         f"{window_tokens} tokens in this update, {tokens / elapsed:,.0f} tokens/s, "
         f"{duration(elapsed)} elapsed, B_simple {float(m.noise_scale):,.0f} tokens",

@@ -25,8 +25,9 @@ from optax_accum.pitfalls import PitfallWarning
 
 PyTree = Any
 
-# `inject_hyperparams` states: a schedule only where `hyperparams_states` is non-empty.
-_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+# `inject_hyperparams` states: a schedule only where `hyperparams_states` is non-empty (the
+# deprecated `InjectHyperparamsState` has no such field: its count is a counter like any other).
+_INJECT_STATES = (optax.InjectStatefulHyperparamsState,)
 # True while optax_accum.flax.Optimizer (whose `step` counts applied updates) calls tx.init.
 _COUNTS_UPDATES = contextvars.ContextVar("optax_accum_counts_updates", default=False)
 # Packages whose frames are skipped when pointing a warning at the user's code.

@@ -49,7 +49,7 @@ class Accumulation(optax.GradientTransformationExtraArgs):
   ``update(grads, state, params=None, *, weight=1, flush=False, value=None, **extra_args)``:
 
   ============================  ================================================
-  every call (microstep)        ``acc += weight * grads`` (in ``acc``'s dtype);
+  every call (microstep)        ``acc += weight * updates`` (in ``acc``'s dtype);
                                 ``weight_sum += weight``; emit exact zeros
   boundary (``every_k`` calls,  ``mean = acc / (weight_sum * loss_scale)``, one
   the window policy's, or       finite check, global norm,
@@ -73,16 +73,23 @@ class Accumulation(optax.GradientTransformationExtraArgs):
 
   Attributes:
     init: ``init(params) -> AccumulationState``.
-    update: ``update(grads, state, params=None, **extra_args) -> (updates, state)``.
+    update: ``update(updates, state, params=None, **extra_args) -> (updates, state)``.
     update_and_apply: ``(grads, state, params, **extra_args) -> (new_params, state)``.
   """
 
   @property
   def update_and_apply(self) -> Callable[..., tuple[PyTree, PyTree]]:
     """The fused step: ``(grads, state, params, **extra_args) -> (new_params, new_state)``."""
-    return self.update.__self__.update_and_apply
+    steps = getattr(self.update, "__self__", None)
+    if not isinstance(steps, _Steps):
+      raise TypeError(
+        f"This Accumulation's update is not accumulate's own ({self.update!r}): it has no fused "
+        "step. Use tx.update and optax.apply_updates, or make it with optax_accum.accumulate."
+      )
+    return steps.update_and_apply
 
-  def _replace(self, **fields):
+  # pyrefly: ignore[bad-override]  # deliberately not an Accumulation (NamedTuple's _replace is)
+  def _replace(self, **fields: Any) -> optax.GradientTransformationExtraArgs:
     """A plain ``GradientTransformationExtraArgs``: the fused step would not match a new field."""
     return optax.GradientTransformationExtraArgs(**{**self._asdict(), **fields})
 
@@ -102,12 +109,17 @@ class _Steps:
       out: jax.jit(functools.partial(_step.step, config, out)) for out in _buffers.Output
     }
 
-  def update(self, grads, state, params=None, **extra_args):
+  def update(
+    self, updates: PyTree, state: PyTree, params: PyTree = None, **extra_args: Any
+  ) -> tuple[PyTree, PyTree]:
+    # ``updates``: the microbatch's gradients, named as optax's update protocol names them.
     _delivery.received(extra_args)
-    return _step.run(self.config, _buffers.Output.UPDATES, self.compiled, grads, state, params,
+    return _step.run(self.config, _buffers.Output.UPDATES, self.compiled, updates, state, params,
                      extra_args)  # fmt: skip
 
-  def update_and_apply(self, grads, state, params, **extra_args):
+  def update_and_apply(
+    self, grads: PyTree, state: PyTree, params: PyTree, **extra_args: Any
+  ) -> tuple[PyTree, PyTree]:
     if params is None:
       raise ValueError("update_and_apply needs the params: they are what it updates.")
     _delivery.received(extra_args)

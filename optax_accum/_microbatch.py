@@ -396,7 +396,8 @@ def _noise_estimate(sums: _Sums, scale: jax.Array | None) -> _noise_scale.NoiseE
   """``noise_scale=True``: the batch's noise estimates (one sample per microbatch and lane)."""
   unscaled = sums.weight if scale is None else sums.weight * scale
   norm, _ = _numerics.norm_and_finite(sums.grads, unscaled)
-  return _noise_scale.estimate(*sums.noise, sums.weight, norm, scale)
+  sq_sum, samples = sums.noise
+  return _noise_scale.estimate(sq_sum, samples, sums.weight, norm, scale)
 
 
 # ------------------------------------------------------------------ what loss_fn returns

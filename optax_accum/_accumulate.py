@@ -45,8 +45,8 @@ class Accumulation(optax.GradientTransformationExtraArgs):
 
   An ``optax.GradientTransformationExtraArgs`` (``optax.chain``, ``masked`` and Flax take it
   as any other); :func:`optax_accum.update_and_apply` runs its fused ``update_and_apply``.
-
-  ``update(grads, state, params=None, *, weight=1, flush=False, value=None, **extra_args)``:
+  ``update(updates, state, params=None, *, weight=1, flush=False, value=None, **extra_args)``
+  (its arguments: :func:`accumulate`'s Update args) does:
 
   ============================  ================================================
   every call (microstep)        ``acc += weight * updates`` (in ``acc``'s dtype);
@@ -59,17 +59,6 @@ class Accumulation(optax.GradientTransformationExtraArgs):
                                 ``num_skipped += 1``, loss scale backs off
   empty window (weight sum 0)   zeros emitted, nothing counted
   ============================  ================================================
-
-  ``update``'s arguments:
-    grads: gradient of this microbatch's *mean* loss, a tree like the params.
-    weight: number of examples or unmasked tokens that mean is over; a
-      non-negative scalar (Python number or array, may be traced). A traced
-      negative weight is not checked: it subtracts that microbatch.
-    flush: bool (may be traced); close the window after this microbatch even if
-      it holds fewer than ``every_k`` microbatches.
-    value: optional microbatch loss; the inner optimizer receives the window's
-      weighted mean as ``value`` (for ``optax.contrib.reduce_on_plateau``).
-    **extra_args: forwarded to ``inner.update`` on the boundary call.
 
   Attributes:
     init: ``init(params) -> AccumulationState``.
@@ -146,7 +135,7 @@ def accumulate(
   boundary (``every_k`` calls, the window policy's decision, or ``flush=True``) the window mean
   ``sum_i w_i g_i / (sum_i w_i * loss_scale)`` is checked for finiteness once and handed to
   ``inner.update`` once; a non-finite window is skipped whole (``num_skipped``), an empty one
-  changes nothing (:class:`Accumulation` lists ``update``'s arguments). Each option is an
+  changes nothing (``update``'s arguments: Update args, below). Each option is an
   object from its own factory, with its own sub-state in the state (``optax.EmptyState()``
   when off): it composes like optax.
 
@@ -190,9 +179,25 @@ def accumulate(
       it; removed in 0.5.
 
   Returns:
-    An :class:`Accumulation` (state: :class:`AccumulationState`, finite while the gradients
-    are). ``inner`` sees the mean in the wider of the grads' and params' dtypes; the updates
-    have plain ``inner``'s dtypes (optax's ``test_multi_steps_mixed_precision`` rule).
+    An ``Accumulation``: an ``optax.GradientTransformationExtraArgs`` (its state an
+    :class:`AccumulationState`, finite while the gradients are) with the fused step that
+    :func:`optax_accum.update_and_apply` takes. ``inner`` sees the mean in the wider of the
+    grads' and params' dtypes; the updates have plain ``inner``'s dtypes (optax's
+    ``test_multi_steps_mixed_precision`` rule).
+
+  Update args:
+    updates: the gradient of this microbatch's *mean* loss, a tree like the params (optax's
+      name for the first argument of ``tx.update``).
+    state: the state ``tx.init`` made or the last call returned.
+    params: the params, a tree (None if ``inner`` needs none).
+    weight: the number of examples or unmasked tokens that mean is over (default 1): a
+      non-negative scalar, a Python number or an array, may be traced. A traced negative
+      weight is not checked: it subtracts that microbatch.
+    flush: a bool (may be traced): close the window after this microbatch even if it holds
+      fewer than ``every_k`` microbatches.
+    value: the microbatch's loss (optional); the inner optimizer receives the window's
+      weighted mean as ``value`` (for ``optax.contrib.reduce_on_plateau``).
+    **extra_args: forwarded to ``inner.update`` on the boundary call.
 
   Raises:
     TypeError, ValueError: at construction, naming a bad argument; at trace time for a

@@ -324,7 +324,7 @@ def aggregate(
       ``value - param`` from ``tx.update``) instead of going through ``inner``.
 
   Returns:
-    An :class:`Aggregation`.
+    An ``Aggregation``.
 
   Raises:
     TypeError, ValueError: naming a bad argument (a denominator not finite and > 0,

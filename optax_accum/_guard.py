@@ -105,7 +105,7 @@ def spike_rule(
       ``max(2, history // 2)``.
 
   Returns:
-    A :class:`SpikeRule`, a guard for ``accumulate(..., skip_if=...)``.
+    A ``SpikeRule``, a guard for ``accumulate(..., skip_if=...)``.
 
   Raises:
     ValueError, TypeError: naming a bad argument.

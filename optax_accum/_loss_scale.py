@@ -245,7 +245,7 @@ def static_loss_scale(value: float) -> StaticLossScale:
       divided by it once, at the window boundary.
 
   Returns:
-    A :class:`StaticLossScale` to pass as ``accumulate(..., loss_scale=...)``.
+    A ``StaticLossScale`` to pass as ``accumulate(..., loss_scale=...)``.
 
   Raises:
     ValueError: if ``value`` is not a positive number finite in float32.
@@ -286,7 +286,7 @@ def dynamic_loss_scale(
     max_scale: ceiling (>= min_scale, finite).
 
   Returns:
-    A :class:`DynamicLossScale` to pass as ``accumulate(..., loss_scale=...)``.
+    A ``DynamicLossScale`` to pass as ``accumulate(..., loss_scale=...)``.
 
   Raises:
     ValueError: for a parameter outside the ranges above.

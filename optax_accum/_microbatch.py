@@ -86,7 +86,7 @@ def microbatched_value_and_grad(
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
   ``f(params, batch, *args, **kwargs)`` runs one ``lax.scan`` over the ``K`` microbatches
-  of ``batch`` (:func:`split_batch`): the value and gradient of ``sum_k w_k loss_k / sum_k
+  of ``batch`` (split as ``strided`` says): the value and gradient of ``sum_k w_k loss_k / sum_k
   w_k``, for a mean loss and ``w_k`` its count those of the whole batch. A weight-0
   microbatch adds nothing (even a NaN); a total weight of 0 gives zeros. docs/in_step.md.
 

@@ -104,7 +104,7 @@ def noise_scale(decay: float = 0.9) -> NoiseScale:
       about 10 windows.
 
   Returns:
-    A :class:`NoiseScale` observer.
+    A ``NoiseScale`` observer.
 
   Raises:
     TypeError: ``decay`` is not a number.

@@ -270,7 +270,7 @@ def plan_microbatch(
       looked up instead of compiled.
 
   Returns:
-    A :class:`MicrobatchPlan`.
+    A ``MicrobatchPlan``.
 
   Raises:
     ValueError: if the budget cannot be read or has no default here, ``sizes`` holds no valid

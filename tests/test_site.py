@@ -125,7 +125,7 @@ def _check_links(site):
 
 def _check_api(site):
   names = _public_names()
-  assert len(names) >= 30
+  assert len(names) >= 29  # 0.4's public surface (CHANGELOG)
   for fullname, obj in names:
     page = site / "api" / f"{fullname}.html"
     assert page.is_file(), f"no API page for {fullname}"

@@ -2,12 +2,13 @@
 
 Build it from a clone with the ``docs`` extra (``pip install -e ".[docs]"``)::
 
-  sphinx-build -W -b html docs docs/_build/html
+  sphinx-build -W -n -b html docs docs/_build/html
 
 The pages are the Markdown files of ``docs/`` (MyST) and the README (the home page); the
 notebooks of ``notebooks/`` (``docs/notebooks`` links to them) are rendered from their stored
 outputs, never executed here; the API reference is written from each public module's
-``__all__`` (``_ext/api_pages.py``). tests/test_site.py builds it with warnings as errors.
+``__all__`` (``_ext/api_pages.py``). tests/test_site.py builds it with warnings as errors, nitpicky
+(``-n``: a cross-reference to nothing warns).
 """
 
 import inspect
@@ -62,27 +63,14 @@ autosummary_generate = False  # _ext/api_pages.py writes the pages
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# accumulate's docstring lists the arguments of the update it returns, like Args.
+napoleon_custom_sections = [("Update args", "params_style")]
 
-# Docstrings that docutils cannot parse yet, shown as written (preformatted) until the code is
-# fixed, each with the warning it gives; an entry that documents nothing warns (remove it).
-AS_WRITTEN = {
-  # "``update``'s arguments:" then an indented list with wrapped lines: "ERROR: Unexpected
-  # indentation", "Block quote ends without a blank line", "Inline strong start-string without
-  # end-string" (``**extra_args``). An ``Args:``-style list after a blank line would parse.
-  "optax_accum.Accumulation": "optax_accum/_accumulate.py",
-}
-
-
-def show_as_written(app, what, name, obj, options, lines) -> None:
-  """The first paragraph (the summary) as text, the rest as a literal block."""
-  if name in AS_WRITTEN:
-    end = lines.index("") if "" in lines else len(lines)
-    lines[:] = [*lines[:end], "", "::", "", *(f"  {line}" for line in lines[end:]), ""]
-
-
-def check_as_written(app, env) -> None:
-  for name in AS_WRITTEN.keys() - env.get_domain("py").objects.keys():
-    logger.warning(f"conf.py AS_WRITTEN names {name}, which the site does not document")
+# Cross-references (tests/test_site.py builds with -n, nitpicky: a reference to nothing warns).
+# The private classes public factories return (``Accumulation``, ``TokenBudget``, ``Metrics``,
+# ...) have no page (the API is each public ``__all__``): their names in signatures show as
+# plain text, and docstrings name them as ``code``, never as a link.
+nitpick_ignore_regex = [("py:class", r"optax_accum\.(\w+\.)*(_\w+|testing)\.[A-Z]\w*")]
 
 
 # Links to the libraries' own references. Their inventories are fetched from the web, which CI's
@@ -97,6 +85,10 @@ intersphinx_mapping = {
 }
 if os.environ.get("OPTAX_ACCUM_DOCS_OFFLINE"):
   intersphinx_mapping = {}
+  # Without the inventories no name of these libraries resolves: plain text, as said above.
+  nitpick_ignore_regex.append(
+    ("py:.*", r"(python|collections|typing|numpy|jax|jaxlib|optax|flax)(\..*)?")
+  )
 
 
 def linkcode_resolve(domain, info):
@@ -213,7 +205,5 @@ def notebook_buttons(app, pagename, templatename, context, doctree) -> None:
 
 
 def setup(app):
-  app.connect("autodoc-process-docstring", show_as_written, priority=400)  # before napoleon
-  app.connect("env-check-consistency", check_as_written)
   app.connect("doctree-read", resolve_repository_links, priority=400)
   app.connect("html-page-context", notebook_buttons, priority=600)  # after the theme's buttons

@@ -45,11 +45,11 @@ class Accumulation(optax.GradientTransformationExtraArgs):
 
   An ``optax.GradientTransformationExtraArgs`` (``optax.chain``, ``masked`` and Flax take it
   as any other); :func:`optax_accum.update_and_apply` runs its fused ``update_and_apply``.
-
-  ``update(grads, state, params=None, *, weight=1, flush=False, value=None, **extra_args)``:
+  ``update(updates, state, params=None, *, weight=1, flush=False, value=None, **extra_args)``
+  (its arguments: :func:`accumulate`'s Update args) does:
 
   ============================  ================================================
-  every call (microstep)        ``acc += weight * grads`` (in ``acc``'s dtype);
+  every call (microstep)        ``acc += weight * updates`` (in ``acc``'s dtype);
                                 ``weight_sum += weight``; emit exact zeros
   boundary (``every_k`` calls,  ``mean = acc / (weight_sum * loss_scale)``, one
   the window policy's, or       finite check, global norm,
@@ -60,29 +60,25 @@ class Accumulation(optax.GradientTransformationExtraArgs):
   empty window (weight sum 0)   zeros emitted, nothing counted
   ============================  ================================================
 
-  ``update``'s arguments:
-    grads: gradient of this microbatch's *mean* loss, a tree like the params.
-    weight: number of examples or unmasked tokens that mean is over; a
-      non-negative scalar (Python number or array, may be traced). A traced
-      negative weight is not checked: it subtracts that microbatch.
-    flush: bool (may be traced); close the window after this microbatch even if
-      it holds fewer than ``every_k`` microbatches.
-    value: optional microbatch loss; the inner optimizer receives the window's
-      weighted mean as ``value`` (for ``optax.contrib.reduce_on_plateau``).
-    **extra_args: forwarded to ``inner.update`` on the boundary call.
-
   Attributes:
     init: ``init(params) -> AccumulationState``.
-    update: ``update(grads, state, params=None, **extra_args) -> (updates, state)``.
+    update: ``update(updates, state, params=None, **extra_args) -> (updates, state)``.
     update_and_apply: ``(grads, state, params, **extra_args) -> (new_params, state)``.
   """
 
   @property
   def update_and_apply(self) -> Callable[..., tuple[PyTree, PyTree]]:
     """The fused step: ``(grads, state, params, **extra_args) -> (new_params, new_state)``."""
-    return self.update.__self__.update_and_apply
+    steps = getattr(self.update, "__self__", None)
+    if not isinstance(steps, _Steps):
+      raise TypeError(
+        f"This Accumulation's update is not accumulate's own ({self.update!r}): it has no fused "
+        "step. Use tx.update and optax.apply_updates, or make it with optax_accum.accumulate."
+      )
+    return steps.update_and_apply
 
-  def _replace(self, **fields):
+  # pyrefly: ignore[bad-override]  # deliberately not an Accumulation (NamedTuple's _replace is)
+  def _replace(self, **fields: Any) -> optax.GradientTransformationExtraArgs:
     """A plain ``GradientTransformationExtraArgs``: the fused step would not match a new field."""
     return optax.GradientTransformationExtraArgs(**{**self._asdict(), **fields})
 
@@ -102,12 +98,17 @@ class _Steps:
       out: jax.jit(functools.partial(_step.step, config, out)) for out in _buffers.Output
     }
 
-  def update(self, grads, state, params=None, **extra_args):
+  def update(
+    self, updates: PyTree, state: PyTree, params: PyTree = None, **extra_args: Any
+  ) -> tuple[PyTree, PyTree]:
+    # ``updates``: the microbatch's gradients, named as optax's update protocol names them.
     _delivery.received(extra_args)
-    return _step.run(self.config, _buffers.Output.UPDATES, self.compiled, grads, state, params,
+    return _step.run(self.config, _buffers.Output.UPDATES, self.compiled, updates, state, params,
                      extra_args)  # fmt: skip
 
-  def update_and_apply(self, grads, state, params, **extra_args):
+  def update_and_apply(
+    self, grads: PyTree, state: PyTree, params: PyTree, **extra_args: Any
+  ) -> tuple[PyTree, PyTree]:
     if params is None:
       raise ValueError("update_and_apply needs the params: they are what it updates.")
     _delivery.received(extra_args)
@@ -134,7 +135,7 @@ def accumulate(
   boundary (``every_k`` calls, the window policy's decision, or ``flush=True``) the window mean
   ``sum_i w_i g_i / (sum_i w_i * loss_scale)`` is checked for finiteness once and handed to
   ``inner.update`` once; a non-finite window is skipped whole (``num_skipped``), an empty one
-  changes nothing (:class:`Accumulation` lists ``update``'s arguments). Each option is an
+  changes nothing (``update``'s arguments: Update args, below). Each option is an
   object from its own factory, with its own sub-state in the state (``optax.EmptyState()``
   when off): it composes like optax.
 
@@ -178,9 +179,25 @@ def accumulate(
       it; removed in 0.5.
 
   Returns:
-    An :class:`Accumulation` (state: :class:`AccumulationState`, finite while the gradients
-    are). ``inner`` sees the mean in the wider of the grads' and params' dtypes; the updates
-    have plain ``inner``'s dtypes (optax's ``test_multi_steps_mixed_precision`` rule).
+    An ``Accumulation``: an ``optax.GradientTransformationExtraArgs`` (its state an
+    :class:`AccumulationState`, finite while the gradients are) with the fused step that
+    :func:`optax_accum.update_and_apply` takes. ``inner`` sees the mean in the wider of the
+    grads' and params' dtypes; the updates have plain ``inner``'s dtypes (optax's
+    ``test_multi_steps_mixed_precision`` rule).
+
+  Update args:
+    updates: the gradient of this microbatch's *mean* loss, a tree like the params (optax's
+      name for the first argument of ``tx.update``).
+    state: the state ``tx.init`` made or the last call returned.
+    params: the params, a tree (None if ``inner`` needs none).
+    weight: the number of examples or unmasked tokens that mean is over (default 1): a
+      non-negative scalar, a Python number or an array, may be traced. A traced negative
+      weight is not checked: it subtracts that microbatch.
+    flush: a bool (may be traced): close the window after this microbatch even if it holds
+      fewer than ``every_k`` microbatches.
+    value: the microbatch's loss (optional); the inner optimizer receives the window's
+      weighted mean as ``value`` (for ``optax.contrib.reduce_on_plateau``).
+    **extra_args: forwarded to ``inner.update`` on the boundary call.
 
   Raises:
     TypeError, ValueError: at construction, naming a bad argument; at trace time for a

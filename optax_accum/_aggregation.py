@@ -210,7 +210,9 @@ class Aggregation(NamedTuple):
     """The window's sums with a microbatch of weight ``w`` added, leaf by leaf per rule."""
     return add(self.rules(acc), acc, grads, w, first)
 
-  def all_reduce(self, grads: PyTree, rest: PyTree, has: jax.Array, axis_name: Any):
+  def all_reduce(
+    self, grads: PyTree, rest: PyTree, has: jax.Array, axis_name: Any
+  ) -> tuple[PyTree, PyTree]:
     """``(grads, rest)`` summed over ``axis_name`` in one variadic ``psum`` (max/last leaves: a
     ``pmax`` first); ``has``: whether this device's window has weight."""
     return reduce_devices(
@@ -237,6 +239,7 @@ class Aggregation(NamedTuple):
       return weight_sum
     d = self.denominator
     if callable(d):
+      assert num_updates is not None, "a schedule is accumulate's (in-step refuses one)"
       d = denominator_value(d(num_updates), "the denominator schedule's value")
     return jnp.asarray(d).astype(weight_sum.dtype)
 
@@ -321,7 +324,7 @@ def aggregate(
       ``value - param`` from ``tx.update``) instead of going through ``inner``.
 
   Returns:
-    An :class:`Aggregation`.
+    An ``Aggregation``.
 
   Raises:
     TypeError, ValueError: naming a bad argument (a denominator not finite and > 0,

@@ -89,7 +89,8 @@ def _axes(line: str, mesh: jax.sharding.Mesh) -> tuple[str, ...]:
 def _bytes(text: str) -> int:
   total = 0
   for dtype, dims in _SHAPE.findall(text):
-    bits = 8 if dtype == "pred" else int(re.match(r"[a-z]+(\d+)", dtype).group(1))
+    width = re.match(r"[a-z]+(\d+)", dtype)  # none in token[]: no data
+    bits = 8 if dtype == "pred" else int(width.group(1)) if width else 0
     total += math.prod(_INTS(dims)) * bits // 8
   return total
 

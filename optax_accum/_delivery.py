@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import optax
@@ -34,7 +34,9 @@ def received(extra_args: Mapping[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def expect(tx: Any, opt_state: PyTree, extra_args: Mapping[str, Any]) -> Iterator[None]:
+def expect(
+  tx: Any, opt_state: PyTree, extra_args: Mapping[str, Any]
+) -> Generator[None, None, None]:
   """Raises (after the call) if an ``accumulate`` inside ``tx`` missed one of ``extra_args``'
   ``weight``/``flush``/``value``; before it, if ``tx`` takes no extra arguments at all."""
   from optax_accum._state import find_states

@@ -105,7 +105,7 @@ def spike_rule(
       ``max(2, history // 2)``.
 
   Returns:
-    A :class:`SpikeRule`, a guard for ``accumulate(..., skip_if=...)``.
+    A ``SpikeRule``, a guard for ``accumulate(..., skip_if=...)``.
 
   Raises:
     ValueError, TypeError: naming a bad argument.
@@ -278,15 +278,15 @@ def _callable_kind(fn: Callable[..., Any]) -> str:
   except (TypeError, ValueError):
     sig = None
 
-  def takes(n: int) -> bool:
+  def takes(sig: inspect.Signature, n: int) -> bool:
     try:
-      sig.bind(*range(n))  # type: ignore[union-attr]
+      sig.bind(*range(n))
     except TypeError:
       return False
     return True
 
-  if sig is not None and takes(1) != takes(3):
-    return "predicate" if takes(1) else "multisteps"
+  if sig is not None and takes(sig, 1) != takes(sig, 3):
+    return "predicate" if takes(sig, 1) else "multisteps"
   raise TypeError(
     f"skip_if cannot tell what {fn!r} judges from its signature: a window predicate takes one "
     "argument (the window's statistics: skip_if=lambda s: ...), an optax.MultiSteps "

@@ -39,6 +39,18 @@ class _Policy:
   """What the microstep calls on a loss-scale policy: its sub-state, the scale in force, and the
   sub-state after a window (``adjust`` unless the window was empty or a guard skipped it)."""
 
+  kind: str  # "static" or "dynamic": the sub-state's fingerprint
+
+  def initial_scale(self) -> float:
+    """The scale of the first window (a Python float); each policy's own."""
+    raise NotImplementedError
+
+  def adjust(
+    self, scale: jax.Array, streak: jax.Array, finite: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """``(new_scale, new_streak)`` at a non-empty window boundary; each policy's own."""
+    raise NotImplementedError
+
   def init(self) -> LossScaleState:
     """The sub-state of a fresh window under this policy."""
     return LossScaleState(
@@ -233,7 +245,7 @@ def static_loss_scale(value: float) -> StaticLossScale:
       divided by it once, at the window boundary.
 
   Returns:
-    A :class:`StaticLossScale` to pass as ``accumulate(..., loss_scale=...)``.
+    A ``StaticLossScale`` to pass as ``accumulate(..., loss_scale=...)``.
 
   Raises:
     ValueError: if ``value`` is not a positive number finite in float32.
@@ -274,7 +286,7 @@ def dynamic_loss_scale(
     max_scale: ceiling (>= min_scale, finite).
 
   Returns:
-    A :class:`DynamicLossScale` to pass as ``accumulate(..., loss_scale=...)``.
+    A ``DynamicLossScale`` to pass as ``accumulate(..., loss_scale=...)``.
 
   Raises:
     ValueError: for a parameter outside the ranges above.

@@ -102,7 +102,7 @@ def metrics(opt_state: PyTree) -> Metrics:
       Flax's ``nnx.Optimizer.opt_state``.
 
   Returns:
-    A :class:`Metrics` of 0-d arrays (works under ``jit``).
+    A ``Metrics`` of 0-d arrays (works under ``jit``).
 
   Raises:
     ValueError: if ``opt_state`` holds no or several accumulation states.

@@ -86,7 +86,7 @@ def microbatched_value_and_grad(
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
   ``f(params, batch, *args, **kwargs)`` runs one ``lax.scan`` over the ``K`` microbatches
-  of ``batch`` (:func:`split_batch`): the value and gradient of ``sum_k w_k loss_k / sum_k
+  of ``batch`` (split as ``strided`` says): the value and gradient of ``sum_k w_k loss_k / sum_k
   w_k``, for a mean loss and ``w_k`` its count those of the whole batch. A weight-0
   microbatch adds nothing (even a NaN); a total weight of 0 gives zeros. docs/in_step.md.
 
@@ -396,7 +396,8 @@ def _noise_estimate(sums: _Sums, scale: jax.Array | None) -> _noise_scale.NoiseE
   """``noise_scale=True``: the batch's noise estimates (one sample per microbatch and lane)."""
   unscaled = sums.weight if scale is None else sums.weight * scale
   norm, _ = _numerics.norm_and_finite(sums.grads, unscaled)
-  return _noise_scale.estimate(*sums.noise, sums.weight, norm, scale)
+  sq_sum, samples = sums.noise
+  return _noise_scale.estimate(sq_sum, samples, sums.weight, norm, scale)
 
 
 # ------------------------------------------------------------------ what loss_fn returns

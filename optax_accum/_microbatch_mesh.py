@@ -88,7 +88,7 @@ def _contiguous_sharding(x: jax.Array) -> Any:
   """The out sharding an Explicit-sharded axis 0 needs to be cut into ``[K, B/K]`` (None if not)."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   spec = getattr(sharding, "spec", None)
-  if not spec or spec[0] is None:
+  if sharding is None or not spec or spec[0] is None:
     return None
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
 
@@ -103,6 +103,7 @@ def resolve(axis_name: Any, batch: PyTree) -> tuple[str | None, tuple[str, ...],
   if axis_name is None:
     return None, (), None
   axes = _checks.axis_names(axis_name)
+  assert axes is not None  # axis_name is not None
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:  # jit without set_mesh: an Explicit-sharded batch still names its mesh
     for leaf in jax.tree.leaves(batch):
@@ -165,13 +166,13 @@ def spmd_axis_name(mesh: Any, axes: tuple[str, ...]) -> tuple[str, ...] | None:
 def constrain(x: jax.Array, mesh: Any, axes: tuple[str, ...], dim: int) -> jax.Array:
   """``x`` with dimension ``dim`` sharded over ``axes``: resharded (Explicit) or constrained."""
   if _explicit(mesh, axes):
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
-    spec = list(spec) + [None] * (x.ndim - len(spec))
+    current = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    spec = list(current) + [None] * (x.ndim - len(current))
     used = set(axes)
     spec = [None if _names(s) & used else s for s in spec]  # an axis shards one dimension
     spec[dim] = axes if len(axes) > 1 else axes[0]
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*spec)))
-  spec = [P.UNCONSTRAINED] * x.ndim
+  spec: list[Any] = [P.UNCONSTRAINED] * x.ndim
   spec[dim] = axes if len(axes) > 1 else axes[0]
   return jax.lax.with_sharding_constraint(x, P(*spec))
 
@@ -238,7 +239,7 @@ def split_lanes(
 def _reshape(x: jax.Array, shape: tuple[int, ...], mesh: Any, axes: tuple[str, ...], dim: int):
   if not _explicit(mesh, axes):
     return x.reshape(shape)
-  spec = [None] * len(shape)
+  spec: list[Any] = [None] * len(shape)
   spec[dim] = axes if len(axes) > 1 else axes[0]
   return jax.lax.reshape(x, shape, out_sharding=NamedSharding(mesh, P(*spec)))
 
@@ -283,7 +284,7 @@ def gather_over(params: PyTree, mesh: Any, axes: tuple[str, ...]) -> PyTree:
   def gather(p):
     sharding = getattr(jax.typeof(p), "sharding", None)
     spec = getattr(sharding, "spec", None)
-    if not spec or not any(_names(s) & used for s in spec):
+    if sharding is None or not spec or not any(_names(s) & used for s in spec):
       return p
     kept = [None if _names(s) & used else s for s in spec]
     return jax.sharding.reshard(p, NamedSharding(sharding.mesh, P(*kept)))

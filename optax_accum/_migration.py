@@ -55,7 +55,7 @@ def translate(inner: Any, every_k: Any, aggregate: Any, observe: Any, legacy: di
     )
   from optax_accum import _aggregation, _noise_scale, _token_budget
 
-  if "window_weight" in legacy or "window_weight_of" in legacy:
+  if legacy.get("window_weight") is not None:  # None: 0.3's default, no budget
     if callable(every_k) or not (every_k is None or isinstance(every_k, int)):
       raise ValueError(
         "accumulate(window_weight=...) with an every_k schedule has no 0.4 spelling: "
@@ -63,7 +63,12 @@ def translate(inner: Any, every_k: Any, aggregate: Any, observe: Any, legacy: di
         "(docs/protocols.md)."
       )
     every_k = _token_budget.token_budget(
-      legacy.get("window_weight"), of=legacy.get("window_weight_of"), max_microbatches=every_k
+      legacy["window_weight"], of=legacy.get("window_weight_of"), max_microbatches=every_k
+    )
+  elif legacy.get("window_weight_of") is not None:
+    raise ValueError(
+      f"accumulate(window_weight_of={legacy['window_weight_of']!r}) is only meaningful with a "
+      "ramp: write every_k=optax_accum.token_budget(ramp, of=...)."
     )
   if legacy.get("clip_norm") is not None:
     inner = optax.chain(optax.clip_by_global_norm(legacy["clip_norm"]), inner)

@@ -62,13 +62,18 @@ class NoiseScale:
     del params
     return zeros()
 
-  def add(self, window, grads: PyTree, weight: jax.Array):
+  def add(
+    self, window: tuple[jax.Array, jax.Array], grads: PyTree, weight: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
     return add(window, grads, weight)
 
-  def close(self, state: NoiseScaleState, window, outcome: Outcome) -> NoiseScaleState:
+  def close(
+    self, state: NoiseScaleState, window: tuple[jax.Array, jax.Array], outcome: Outcome
+  ) -> NoiseScaleState:
     """The window's estimate folded into the EMAs (finite, applied-or-not-spiked, K >= 2)."""
     stats = outcome.stats
-    est = estimate(*window, stats.weight, stats.grad_norm, outcome.loss_scale)
+    sq_sum, samples = window
+    est = estimate(sq_sum, samples, stats.weight, stats.grad_norm, outcome.loss_scale)
     ok = outcome.finite & ~outcome.empty & ~outcome.spike
     return NoiseScaleState(*ema_update(tuple(state), est, self.decay, ok))
 
@@ -99,7 +104,7 @@ def noise_scale(decay: float = 0.9) -> NoiseScale:
       about 10 windows.
 
   Returns:
-    A :class:`NoiseScale` observer.
+    A ``NoiseScale`` observer.
 
   Raises:
     TypeError: ``decay`` is not a number.

@@ -25,8 +25,9 @@ from optax_accum.pitfalls import PitfallWarning
 
 PyTree = Any
 
-# `inject_hyperparams` states: a schedule only where `hyperparams_states` is non-empty.
-_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+# `inject_hyperparams` states: a schedule only where `hyperparams_states` is non-empty (the
+# deprecated `InjectHyperparamsState` has no such field: its count is a counter like any other).
+_INJECT_STATES = (optax.InjectStatefulHyperparamsState,)
 # True while optax_accum.flax.Optimizer (whose `step` counts applied updates) calls tx.init.
 _COUNTS_UPDATES = contextvars.ContextVar("optax_accum_counts_updates", default=False)
 # Packages whose frames are skipped when pointing a warning at the user's code.
@@ -35,11 +36,8 @@ _INTERNAL_PACKAGES = ("optax_accum", "jax", "optax", "flax")
 
 def _warn(message: str) -> None:
   """Warns at the first frame outside optax_accum, jax and optax (the user's call)."""
-  internal = tuple(
-    os.path.dirname(sys.modules[p].__file__) + os.sep
-    for p in _INTERNAL_PACKAGES
-    if getattr(sys.modules.get(p), "__file__", None)
-  )
+  files = (getattr(sys.modules.get(p), "__file__", None) for p in _INTERNAL_PACKAGES)
+  internal = tuple(os.path.dirname(f) + os.sep for f in files if f)
   frame, level = sys._getframe(1), 1
   while frame is not None and frame.f_code.co_filename.startswith(internal):
     frame, level = frame.f_back, level + 1

@@ -119,7 +119,7 @@ def parse_bytes(value: int | str) -> int:
   else:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
     unit = match.group(2).lower() if match else None
-    if unit not in _UNITS:
+    if match is None or unit not in _UNITS:
       raise ValueError(
         f"Cannot read the memory size {value!r}: write a number and a unit, like '200MB', "
         "'1.5GiB' or '512KiB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)."
@@ -171,8 +171,8 @@ def compiled_peak_bytes(step_fn: Callable[..., Any], *args: Any) -> int:
     >>> 40_004 <= n < 40_200  # and a few bytes of temporaries, as the XLA version decides
     True
   """
-  jitted = step_fn if hasattr(step_fn, "lower") else jax.jit(step_fn)
-  stats = jitted.lower(*args).compile().memory_analysis()
+  lower = getattr(step_fn, "lower", None) or jax.jit(step_fn).lower  # a jit function's own
+  stats = lower(*args).compile().memory_analysis()
   if stats is None:
     raise ValueError(
       f"The {jax.default_backend()} backend gives no memory analysis of compiled programs, "
@@ -270,7 +270,7 @@ def plan_microbatch(
       looked up instead of compiled.
 
   Returns:
-    A :class:`MicrobatchPlan`.
+    A ``MicrobatchPlan``.
 
   Raises:
     ValueError: if the budget cannot be read or has no default here, ``sizes`` holds no valid

@@ -89,7 +89,8 @@ class WindowPolicy(Protocol):
       0 when windows are not a fixed count.
   """
 
-  every_k: int
+  @property
+  def every_k(self) -> int: ...  # read-only: a class attribute, a field or a property
 
   def init(self) -> PyTree:
     """The policy's sub-state (``optax.EmptyState()`` if it keeps none)."""

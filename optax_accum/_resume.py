@@ -92,7 +92,8 @@ def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[Fing
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     return on_mesh(fields, zeros, like=params)
 
-  return [_fingerprint(*f) for f in jax.jit(made)()]
+  found = [_fingerprint(*f) for f in jax.jit(made)()]
+  return [fp for fp in found if fp is not None]  # all of them: jit's outputs are concrete
 
 
 def _fingerprint(every_k: Any, loss_scale: Any, aggregation: Any) -> Fingerprint | None:
@@ -308,12 +309,13 @@ def check_compatible(
       "with tx.init(params) and keep only the params."
     )
   restored = [_fingerprint(s.every_k, s.loss_scale, s.aggregation) for s in find_states(state)]
-  if restored and None not in restored:
+  concrete = [fp for fp in restored if fp is not None]
+  if restored and len(concrete) == len(restored):
     expected_fp = _fingerprints(tx, params)
     where = lambda i: f"accumulate state {i}: " if len(expected_fp) > 1 else ""
     problems = [
       where(i) + p
-      for i, (got_fp, want_fp) in enumerate(zip(restored, expected_fp, strict=True))
+      for i, (got_fp, want_fp) in enumerate(zip(concrete, expected_fp, strict=True))
       for p in fingerprint_problems(got_fp, want_fp)
     ]
     raise_on_problems(problems, "The restored optimizer state")

@@ -130,7 +130,7 @@ def init_sharded(
   mesh = _mesh_of(params, axis_name)
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   # Manual over axis_name only: the mesh's other axes (fsdp in HSDP) stay the compiler's.
-  manual = {"axis_names": set(axes)} if set(mesh.axis_names) - set(axes) else {}
+  manual: dict[str, Any] = {"axis_names": set(axes)} if set(mesh.axis_names) - set(axes) else {}
   replicated = jax.tree.map(lambda _: PartitionSpec(), params)
   # The state's structure (not its shapes) says which leaves are per device.
   shape = jax.eval_shape(
@@ -183,7 +183,9 @@ def on_mesh(fn, params: PyTree, shapes: bool = False, like: PyTree = None) -> An
     return call(body, params)
 
 
-def _mesh_of(params: PyTree, axis_name: str | tuple[str, ...]) -> jax.sharding.Mesh:
+def _mesh_of(
+  params: PyTree, axis_name: str | tuple[str, ...]
+) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
   """The mesh the params are placed on, which must have ``axis_name``."""
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:

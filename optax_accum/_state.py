@@ -53,7 +53,9 @@ class AccumulationState(NamedTuple):
 
   Attributes:
     mini_step: int32, microbatches in the open window (0 right after a boundary).
-    window: the open window's sums, a :class:`Window`.
+    window: the open window's sums, a ``Window``: ``grad_sum`` (the accumulator; read it with
+      :attr:`window_sum`), ``weight_sum``, ``value_sum``, ``value_weight``, and the window
+      policy's and observers' per-window sums (``policy``, ``observers``).
     num_microbatches: int32, microbatches consumed since ``init`` (not flushes).
     num_updates: int32, windows applied (the inner optimizer ran).
     num_skipped: int32, windows skipped because their mean was not finite.
@@ -109,7 +111,7 @@ class AccumulationState(NamedTuple):
 
   @property
   def window_sum(self) -> PyTree:
-    """The open window's weighted gradient sum: ``grad_sum``, or zeros if the window is empty.
+    """The open window's weighted gradient sum (``grad_sum``, or zeros if the window is empty).
 
     A tree like ``window.grad_sum`` (same dtypes); works under ``jit``. ``EmptyState()`` with
     ``every_k=1``, which keeps no window between calls.

@@ -67,8 +67,8 @@ class TokenBudget:
     """The open window's weight in exact 12-bit parts (float ``[7]``)."""
     return wc.zero_parts()
 
-  def add(self, parts: jax.Array, weight: jax.Array) -> jax.Array:
-    return wc.add_parts(parts, weight)
+  def add(self, window: jax.Array, weight: jax.Array) -> jax.Array:
+    return wc.add_parts(window, weight)
 
   def budget(self, num_updates: jax.Array, weight_seen: WeightCount) -> jax.Array:
     """The open window's budget, a scalar of ``_numerics.scalar_dtype()``.
@@ -81,13 +81,13 @@ class TokenBudget:
     arg = num_updates if self.of == "num_updates" else weight_seen.approx()
     return _ramp_value(self.weight(arg))
 
-  def closes(self, state: TokenBudgetState, parts: jax.Array, position: Position) -> jax.Array:
+  def closes(self, state: TokenBudgetState, window: jax.Array, position: Position) -> jax.Array:
     """The window reaches its budget with this microbatch: ``~(weight_sum < budget)``.
 
     Under ``axis_name`` the weight sum is psum'd (one scalar all-reduce per microstep), so every
     device decides alike; a budget <= 0 or NaN closes every window at its first microbatch.
     """
-    del parts
+    del window
     total = position.weight_sum
     if position.axis_name is not None:
       total = jax.lax.psum(total, position.axis_name)
@@ -97,13 +97,13 @@ class TokenBudget:
       return reached
     return reached | (position.mini_step >= self.max_microbatches)
 
-  def close(self, state: TokenBudgetState, parts: jax.Array, outcome: Outcome) -> TokenBudgetState:
-    """The (all-reduced) window ``parts`` counted exactly; an empty window keeps the last one."""
-    window = wc.count_parts(wc.zeros(), parts)
+  def close(self, state: TokenBudgetState, window: jax.Array, outcome: Outcome) -> TokenBudgetState:
+    """The (all-reduced) ``window``'s parts counted exactly; an empty window keeps the last one."""
+    closed = wc.count_parts(wc.zeros(), window)
     keep = lambda new, old: jnp.where(outcome.empty, old, new)
     return TokenBudgetState(
-      weight_seen=wc.count_parts(state.weight_seen, parts),
-      window_weight=jax.tree.map(keep, window, state.window_weight),
+      weight_seen=wc.count_parts(state.weight_seen, window),
+      window_weight=jax.tree.map(keep, closed, state.window_weight),
     )
 
   def sqrt_scaled_schedule(
@@ -175,7 +175,7 @@ def token_budget(
     max_microbatches: also close a window at this many microbatches (an int >= 1); None: no cap.
 
   Returns:
-    A :class:`TokenBudget`; its ``sqrt_scaled_schedule`` scales a learning rate with it.
+    A ``TokenBudget``; its ``sqrt_scaled_schedule`` scales a learning rate with it.
 
   Raises:
     TypeError, ValueError: naming the bad argument and what to pass.

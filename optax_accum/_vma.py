@@ -36,6 +36,7 @@ def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """``jax.lax.pcast(x, axes, to="varying")``; ``jax.lax.pvary`` on JAX < 0.8 (no ``pcast``)."""
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, axes, to="varying")
+  # pyrefly: ignore[missing-attribute]  # JAX >= 0.8 (which has pcast) removed pvary: not run there
   return jax.lax.pvary(x, axes)
 
 

@@ -617,11 +617,12 @@ def check_equivalence(
     weight_fn: ``weight_fn(microbatch)`` -> its weight (default: rows), e.g.
       ``lambda mb: mb['mask'].sum()`` for token-mean losses.
     model: an ``nnx.Module`` or Linen variables dict to scan for BatchNorm.
-    strided: how the batch is split (see :func:`optax_accum.split_batch`).
+    strided: how the batch is split: microbatch ``k`` takes rows ``k, k+K, ...``; ``False``:
+      contiguous (as in :func:`optax_accum.microbatched_value_and_grad`).
     has_aux: ``loss_fn`` returns ``(loss, aux)``, as in ``jax.value_and_grad``; aux is unused.
 
   Returns:
-    An :class:`EquivalenceReport`; ``print(report)`` shows the verdict and a table.
+    An ``EquivalenceReport``; ``print(report)`` shows the verdict and a table.
 
   Raises:
     ValueError: if the batch cannot be split into ``num_microbatches``.

@@ -321,6 +321,15 @@ def test_one_compilation_for_all_microsteps():
 # ----------------------------------------------------------------------------- composition
 
 
+def test_update_takes_optaxs_argument_names():
+  """optax's update protocol names the arguments (updates, state, params): keywords work."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=1)
+  params, g = {"w": jnp.ones(2)}, {"w": jnp.array([0.5, 2.0])}
+  by_name = tx.update(updates=g, state=tx.init(params), params=params, weight=2)
+  chex.assert_trees_all_equal(by_name, tx.update(g, tx.init(params), params, weight=2))
+  chex.assert_trees_all_equal(by_name[0], {"w": jnp.array([-0.5, -2.0])})  # -1.0 * g
+
+
 def test_in_chain_after_a_clip():
   tx = optax.chain(optax.clip(0.5), optax_accum.accumulate(optax.sgd(1.0), every_k=2))
   p = {"w": jnp.zeros(3)}

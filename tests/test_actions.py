@@ -200,6 +200,8 @@ def test_copies_keep_the_fused_step_and_replace_drops_it():
     chex.assert_trees_all_equal(new, {"w": jnp.array([0.5, -1.0])})  # 1 - g
   replaced = acc._replace(update=acc.update)
   assert type(replaced) is optax.GradientTransformationExtraArgs
+  with pytest.raises(TypeError, match="not accumulate's own"):
+    _ = Accumulation(acc.init, optax.sgd(1.0).update).update_and_apply
 
 
 def test_plain_optimizer_through_update_and_apply():

@@ -111,6 +111,17 @@ def test_inject_hyperparams_constant_around_or_inside_accumulate_is_silent():
   _silent(_run, optax_accum.accumulate(inner, 2), GRADS * 2)
 
 
+def test_deprecated_inject_hyperparams_state_around_accumulate_warns_as_a_counter():
+  """optax's deprecated InjectHyperparamsState (no hyperparams_states to tell a schedule by):
+  its count advances per microbatch like any other counter's."""
+  acc = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+  state = optax.InjectHyperparamsState(
+    count=jnp.zeros((), jnp.int32), hyperparams={}, inner_state=acc.init(PARAMS)
+  )
+  with pytest.warns(PitfallWarning, match="InjectHyperparamsState outside accumulate counts"):
+    optax_accum.discard(state)
+
+
 def test_apply_if_finite_around_accumulate_warns_and_shrinks_the_window():
   tx = optax.apply_if_finite(optax_accum.accumulate(optax.sgd(1.0), 2), max_consecutive_errors=5)
   grads = [GRADS[0], {"w": jnp.array([jnp.nan, 0.0])}, GRADS[1]]

@@ -351,6 +351,11 @@ def test_deprecated_window_weight_is_a_token_budget():
     states = [o[1] for o in outs]
   with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="every_k schedule"):
     optax_accum.accumulate(optax.sgd(1.0), lambda n: 2, window_weight=9)
+  with pytest.warns(DeprecationWarning):  # 0.3's default: no budget, windows of every_k
+    plain = optax_accum.accumulate(optax.sgd(1.0), 3, window_weight=None)
+  assert plain.init(PARAMS).policy == optax.EmptyState() and int(plain.init(PARAMS).every_k) == 3
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="only meaningful"):
+    optax_accum.accumulate(optax.sgd(1.0), 3, window_weight_of="num_updates")
 
 
 def test_bad_ramp_and_lr_arguments():

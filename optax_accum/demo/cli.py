@@ -84,7 +84,7 @@ def install_hint(error: BaseException) -> str:
   missing = [name for name, v in (("flax", flax_v), ("tqdm", tqdm_v)) if v is None]
   if missing:
     return f"optax-accum demo needs {' and '.join(missing)}: {INSTALL_FLAX} ({error})"
-  if jax_v and _release(jax_v) >= JAX_NEEDS_NEW_FLAX and _release(flax_v) < NEW_FLAX:
+  if jax_v and flax_v and _release(jax_v) >= JAX_NEEDS_NEW_FLAX and _release(flax_v) < NEW_FLAX:
     new_flax, new_jax = (".".join(map(str, v)) for v in (NEW_FLAX, JAX_NEEDS_NEW_FLAX))
     return (
       f"optax-accum demo: flax {flax_v} is installed but does not run with jax {jax_v}: "

@@ -122,7 +122,8 @@ class Progress:
       )
 
   def close(self, m: Any, tokens: int, seconds: float) -> None:
-    self.bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{tokens / seconds:,.0f}")
+    if m is not None:  # None: no microstep ran
+      self.bar.set_postfix(loss=f"{float(m.window_loss):.3f}", tok_s=f"{tokens / seconds:,.0f}")
     self.bar.close()
 
 

@@ -86,7 +86,7 @@ class Recorder:
     self.path, self.command = path, " ".join(["optax-accum", *args])
     self.buffer, self.result, self.t0 = io.StringIO(), None, time.perf_counter()
 
-  def tee(self, stream: TextIO) -> TextIO:
+  def tee(self, stream: TextIO) -> io.TextIOBase:
     """``stream``, also written to the record."""
     return _Tee(stream, self.buffer)
 

@@ -150,6 +150,9 @@ def planned_by_tokens(config: DemoConfig, train_lines: list[bytes]) -> int:
     >>> planned_by_tokens(cfg, [b'abcd', b'ab', b'abc', b'abcdef'])  # 3 + 1 + 2, then 5
     4
   """
+  budget = config.tokens_per_update
+  if budget is None:
+    raise ValueError("planned_by_tokens needs a token budget: config.tokens_per_update is None.")
   lines, rng = list(train_lines), np.random.default_rng(config.seed + 1)
   done = updates = 0
   while True:
@@ -158,7 +161,7 @@ def planned_by_tokens(config: DemoConfig, train_lines: list[bytes]) -> int:
     for i, mb in enumerate(epoch):
       pending += int(mb["mask"].sum())
       done += 1
-      if pending >= config.tokens_per_update or i == len(epoch) - 1:
+      if pending >= budget or i == len(epoch) - 1:
         pending, updates = 0, updates + 1
         if updates >= config.updates:
           return done

@@ -293,6 +293,7 @@ def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
   window_losses, window_weights, full_windows, tokens, flushed, num_updates = [], [], [], 0, 0, 0
   pending = pending_tokens = 0  # the open window's microbatches and tokens (a host mirror)
   done, mark = 0, None  # microbatches run; (time, done) when the timing started
+  m = None  # the last microstep's metrics
   try:
     while num_updates < config.updates:
       for i, mb in enumerate(epoch):

@@ -63,7 +63,9 @@ class TrainState(train_state.TrainState):
   """
 
   @classmethod
-  def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs):
+  def create(
+    cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any
+  ) -> TrainState:
     """Creates a state with ``step`` an int32 0-d zero and ``opt_state = tx.init(params)``.
 
     Args:

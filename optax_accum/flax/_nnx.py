@@ -21,7 +21,10 @@ from optax_accum.flax._in_step import as_pure as _as_pure
 def _state(optimizer: nnx.Optimizer, node: Any, *filters: Any) -> Any:
   """``nnx.state(node, *filters)`` in the optimizer's graph mode, where Flax has one (>= 0.12)."""
   graph = getattr(optimizer, "graph", None)
-  return nnx.state(node, *filters) if graph is None else nnx.state(node, *filters, graph=graph)
+  if graph is None:
+    return nnx.state(node, *filters)
+  # pyrefly: ignore[no-matching-overload]  # Flax < 0.12's nnx.state has no graph= (not run there)
+  return nnx.state(node, *filters, graph=graph)
 
 
 def _arrays(optimizer: nnx.Optimizer, model: Any) -> tuple[Any, Any]:
@@ -73,6 +76,7 @@ class Optimizer(nnx.Optimizer):
     with _pitfalls.counting_updates():  # this `step` counts applied updates: nothing to warn
       super().__init__(model, tx, *args, **kwargs)
 
+  # pyrefly: ignore[bad-override]  # returns None, not Flax's updates: the fused step makes none
   def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
     """Adds one microbatch's gradients; at a boundary updates ``model`` in place.
 

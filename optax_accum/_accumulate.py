@@ -32,7 +32,7 @@ from optax_accum import (
   _step,
   _vma,
 )
-from optax_accum._protocols import Guard, Observer, WindowPolicy
+from optax_accum._protocols import AddWithoutGrads, Guard, Observer, WindowPolicy
 from optax_accum._state import AccumulationState, Window
 
 PyTree = Any
@@ -259,6 +259,8 @@ def _window_policy(every_k: Any) -> Any:
         f"the window policy {every_k!r} needs an int attribute every_k (its fixed window "
         "length, or 0): the state records it as a fingerprint (docs/protocols.md)."
       )
+    if _checks.takes(every_k.add, 3) is False:  # add(window, weight): called without grads
+      return AddWithoutGrads(every_k)
     return every_k
   if not callable(every_k) and hasattr(every_k, "closes"):
     missing = [m for m in methods if not callable(getattr(every_k, m, None))]

@@ -67,7 +67,8 @@ class TokenBudget:
     """The open window's weight in exact 12-bit parts (float ``[7]``)."""
     return wc.zero_parts()
 
-  def add(self, parts: jax.Array, weight: jax.Array) -> jax.Array:
+  def add(self, parts: jax.Array, weight: jax.Array, grads: PyTree) -> jax.Array:
+    del grads
     return wc.add_parts(parts, weight)
 
   def budget(self, num_updates: jax.Array, weight_seen: WeightCount) -> jax.Array:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum import (
+  _adaptive_window,
   _aggregation,
   _buffers,
   _checks,
@@ -226,8 +227,8 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
       "num_updates, not an array of this step (that is for microbatched_value_and_grad)."
     )
   observers = _observers(observe)
-  for o in observers:
-    if isinstance(o, _noise_scale.NoiseScale):
+  for o in (policy, *observers):
+    if isinstance(o, _NOISE_ESTIMATES):
       o.check_aggregation(aggregation.weighted_mean)
   _checks.axis_names(axis_name)
   always_closes = isinstance(policy, _every_k.CountWindow) and policy.always_closes
@@ -242,6 +243,10 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
     accumulator_dtype=_accumulator_dtype(accumulator_dtype),
     keeps_window=not always_closes,
   )
+
+
+# Features whose noise estimate needs the window to be the weighted mean.
+_NOISE_ESTIMATES = (_noise_scale.NoiseScale, _adaptive_window.AdaptiveWindow)
 
 
 def _window_policy(every_k: Any) -> Any:
@@ -304,8 +309,8 @@ def init(config: _step.Config, params: PyTree) -> AccumulationState:
   agg = config.aggregation
   fp8 = "grad_amax_history" in agg.rules(params)
   if agg.active(params):
-    for o in config.observers:
-      if isinstance(o, _noise_scale.NoiseScale):
+    for o in (config.policy, *config.observers):
+      if isinstance(o, _NOISE_ESTIMATES):
         o.check_aggregation(False)
   _pitfalls.check_fp8_scale(fp8, agg.denominator is None, config.policy.every_k)
   fdt = _numerics.scalar_dtype()

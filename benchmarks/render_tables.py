@@ -3,13 +3,15 @@
 The numbers in README.md between ``<!-- microstep-table:begin -->`` and
 ``<!-- microstep-table:end -->`` (and the ``eager-table`` markers), in docs/in_step.md
 between the ``mesh-table`` markers and in docs/scaling.md between the ``hsdp-table``
-markers are never edited by hand: run the benchmarks, then this script.
+markers and in docs/noise_scale.md between the ``adaptive-table`` markers are never edited by
+hand: run the benchmarks, then this script.
 
   python benchmarks/microstep.py --sizes 4e6 16e6 --inner adam adamw --every-k 4 16 \\
       --out benchmarks/results/microstep.json
   python benchmarks/eager.py --out benchmarks/results/eager.json
   python benchmarks/train_step.py --devices 8 --batch 64 --every-k 4 --seq-len 64 --dim 128 \\
       --depth 2 --heads 4 --rounds 5 --out benchmarks/results/train_step_8dev.json
+  python benchmarks/adaptive_windows.py --out benchmarks/results/adaptive_windows.json
   python benchmarks/render_tables.py            # rewrites the README blocks
   python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
 """
@@ -26,6 +28,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 JSON = ROOT / "benchmarks" / "results" / "microstep.json"
 EAGER_JSON = ROOT / "benchmarks" / "results" / "eager.json"
 TRAIN_STEP_JSON = ROOT / "benchmarks" / "results" / "train_step_8dev.json"
+ADAPTIVE_JSON = ROOT / "benchmarks" / "results" / "adaptive_windows.json"
+NOISE_DOC = ROOT / "docs" / "noise_scale.md"
+ADAPTIVE = ("<!-- adaptive-table:begin -->", "<!-- adaptive-table:end -->")
+ADAPTIVE_ARMS = ("fixed", "adaptive", "adaptive_same_lr", "fixed_mean")
 README = ROOT / "README.md"
 IN_STEP_DOC = ROOT / "docs" / "in_step.md"
 SCALING_DOC = ROOT / "docs" / "scaling.md"
@@ -230,6 +236,59 @@ def render_hsdp(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def render_adaptive(report: dict[str, Any]) -> str:
+  """docs/noise_scale.md's table of adaptive_windows.py: held-out loss at equal tokens and
+  updates, fixed token budget vs adaptive windows."""
+  runs, summary, s = report["runs"], report["summary"], report["setting"]
+  d = s["demo"]
+  model = f"demo transformer (dim {d['dim']}, depth {d['depth']}, {d['seq_len']}-byte lines)"
+  at = summary["eval_loss_at_equal_updates"]["updates"]
+  lines = [
+    f"| {model} | windows (tokens) | updates | tokens | held-out loss at the end"
+    f" (equal tokens) | at update {at} | training s |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for arm in [a for a in ADAPTIVE_ARMS if a in runs]:
+    r = runs[arm]
+    w = r["windows"]["weight"]
+    at_updates = [p["eval_loss"] for p in r["curve"] if p["updates"] == at]
+    cells = [
+      r["label"],
+      f"{min(w):,}-{max(w):,}, mean {sum(w) / len(w):,.0f}",
+      f"{r['updates']:,}",
+      f"{r['tokens']:,}",
+      f"{r['eval_loss']:.3f}",
+      f"{at_updates[0]:.3f}" if at_updates else "-",
+      f"{r['train_seconds']:.0f}",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  reach, a = summary["fixed_to_reach_adaptive_loss"], runs["adaptive"]
+  if reach is None:
+    lines += ["", f"The fixed budget does not reach the adaptive run's {a['eval_loss']:.3f}."]
+  else:
+    before = reach["previous_eval"]
+    lines += [
+      "",
+      f"The fixed budget first reaches the adaptive run's final {a['eval_loss']:.3f} at update"
+      f" {reach['updates']:,} ({reach['eval_loss']:.3f}; the evaluation before, at update"
+      f" {before['updates']:,}: {before['eval_loss']:.3f}): the adaptive run needs"
+      f" {a['updates'] / reach['updates']:.2f}-{a['updates'] / before['updates']:.2f}x its"
+      " updates for that loss.",
+    ]
+  m = report["machine"]
+  lines += [
+    "",
+    f"Budgets {s['min_tokens']:,} tokens (fixed) and {s['min_tokens']:,}-"
+    f"{s['min_tokens'] * s['range']:,} (adaptive: `fraction={s['fraction']}`,"
+    f" `max_factor={s['max_factor']}`, `warmup={s['window_warmup']}`, `decay={s['decay']}`);"
+    f" AdamW at {d['learning_rate']:g} after a {s['warmup_updates']}-update warm-up; one stream"
+    f" of {d['microbatch_size']}-line microbatches for every arm. {m['cpu_count']}-core"
+    f" {m['processor']} shared with other jobs, jax {m['jax']}. Source:"
+    " `benchmarks/results/adaptive_windows.json`, rendered by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
 def block(text: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
   """The README's current block between the markers."""
   start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
@@ -244,6 +303,7 @@ def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
     (README, EAGER, render_eager(json.loads(EAGER_JSON.read_text()))),
     (IN_STEP_DOC, MESH, render_mesh(train_step)),
     (SCALING_DOC, HSDP, render_hsdp(train_step)),
+    (NOISE_DOC, ADAPTIVE, render_adaptive(json.loads(ADAPTIVE_JSON.read_text()))),
   ]
 
 

@@ -38,6 +38,13 @@ CHECKS = {
       "  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)\n",
     ),
   ],
+  "noise_scale.md": [
+    (  # issue 40: the windows start at the minimum and grow to about B_simple = 16 examples
+      "adaptive_window(4, 256",
+      "assert w[:5].mean() < 9 and 10 < w[len(w) // 2 :].mean() < 32, w\n"
+      "assert float(optax_accum.metrics(state).window_budget) > 8\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -79,7 +86,11 @@ PRINTS = {
     "The restored optimizer state was written by a run without optax_accum.accumulate, and tx "
     "is with it",
   ],
-  "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],
+  "noise_scale.md": [
+    r"B_simple [3-5]\.\d examples \(true 4\.0\)",
+    r"\d+ windows: \d+\.\d examples for the first 5, \d+\.\d for the last half "
+    r"\(B_simple 16, plus the overshoot\)",
+  ],
 }
 
 

@@ -244,7 +244,8 @@ class AdaptiveWindow:
     def factor(weight: jax.Array) -> jax.Array:
       if rule == "linear":
         return weight / jnp.asarray(ref, weight.dtype)
-      return _token_budget.sqrt_scaled_schedule(1.0, lambda count: weight, ref)(0)
+      # The token budget's rule, 1.0 * sqrt(weight / ref), at the realized weight.
+      return _token_budget.sqrt_scaled_schedule(1.0, lambda count: weight, ref)(count=None)
 
     def update_fn(updates, state, params=None, **extra_args):
       updates, state = tx.update(updates, state, params, **extra_args)

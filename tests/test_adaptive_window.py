@@ -347,6 +347,14 @@ def test_resume_mid_window_continues_the_same_windows_and_refuses_another_policy
     tx.update(zeros, budget.init(PARAMS), PARAMS)
   with pytest.raises(ValueError, match=r"policy\.budget: in the restored state"):
     optax_accum.sharding.check_compatible(budget, PARAMS, saved)
+  # Between windows, a token budget's state moves to the adaptive policy (migrate_state): the
+  # inner state and counters kept, the policy's sub-state fresh (the budget at its minimum).
+  state = budget.init(PARAMS)
+  for n in (5, 3):  # one window of 8
+    _, state = budget.update(zeros, state, PARAMS, weight=n)
+  moved = optax_accum.sharding.migrate_state(tx, PARAMS, state)
+  chex.assert_trees_all_equal(moved.inner_state, state.inner_state)
+  assert int(moved.num_updates) == 1 and float(moved.policy.budget) == KW["min_weight"]
 
 
 def test_vmap_over_states_is_each_run_alone():

@@ -2,10 +2,11 @@
 
 The numbers in README.md between ``<!-- microstep-table:begin -->`` and
 ``<!-- microstep-table:end -->`` (and the ``eager-table`` markers), in docs/in_step.md
-between the ``mesh-table`` and ``preflight-table`` markers and in docs/scaling.md between the
-``hsdp-table`` and ``zero1-table`` markers are never edited by hand: run the benchmarks, then this
-script. The demo's printed samples (README.md's ``demo-sample``, docs/demo.md's ``demo-output``
-and ``demo-every-k``, docs/planning.md's ``demo-plan`` and ``demo-refusal``) are rendered from
+between the ``mesh-table`` and ``preflight-table`` markers, in docs/scaling.md between the
+``hsdp-table`` and ``zero1-table`` markers and in docs/noise_scale.md between the
+``adaptive-table`` markers are never edited by hand: run the benchmarks, then this script. The
+demo's printed samples (README.md's ``demo-sample``, docs/demo.md's ``demo-output`` and
+``demo-every-k``, docs/planning.md's ``demo-plan`` and ``demo-refusal``) are rendered from
 recorded runs (``optax-accum demo --record``) the same way.
 
   python benchmarks/microstep.py --sizes 4e6 16e6 --inner adam adamw --every-k 4 16 \\
@@ -23,6 +24,7 @@ recorded runs (``optax-accum demo --record``) the same way.
       --record benchmarks/results/demo_plan_20MB.json
   optax-accum demo --quick --microbatch-size 100000000 \\
       --record benchmarks/results/demo_refusal.json
+  python benchmarks/adaptive_windows.py --out benchmarks/results/adaptive_windows.json
   python benchmarks/render_tables.py            # rewrites the README blocks
   python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
 """
@@ -40,6 +42,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 JSON = ROOT / "benchmarks" / "results" / "microstep.json"
 EAGER_JSON = ROOT / "benchmarks" / "results" / "eager.json"
 TRAIN_STEP_JSON = ROOT / "benchmarks" / "results" / "train_step_8dev.json"
+ADAPTIVE_JSON = ROOT / "benchmarks" / "results" / "adaptive_windows.json"
+NOISE_DOC = ROOT / "docs" / "noise_scale.md"
+ADAPTIVE = ("<!-- adaptive-table:begin -->", "<!-- adaptive-table:end -->")
+ADAPTIVE_ARMS = ("fixed", "adaptive", "adaptive_same_lr", "fixed_mean")
 README = ROOT / "README.md"
 IN_STEP_DOC = ROOT / "docs" / "in_step.md"
 SCALING_DOC = ROOT / "docs" / "scaling.md"
@@ -312,6 +318,59 @@ def render_preflight(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def render_adaptive(report: dict[str, Any]) -> str:
+  """docs/noise_scale.md's table of adaptive_windows.py: held-out loss at equal tokens and
+  updates, fixed token budget vs adaptive windows."""
+  runs, summary, s = report["runs"], report["summary"], report["setting"]
+  d = s["demo"]
+  model = f"demo transformer (dim {d['dim']}, depth {d['depth']}, {d['seq_len']}-byte lines)"
+  at = summary["eval_loss_at_equal_updates"]["updates"]
+  lines = [
+    f"| {model} | windows (tokens) | updates | tokens | held-out loss at the end"
+    f" (equal tokens) | at update {at} | training s |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for arm in [a for a in ADAPTIVE_ARMS if a in runs]:
+    r = runs[arm]
+    w = r["windows"]["weight"]
+    at_updates = [p["eval_loss"] for p in r["curve"] if p["updates"] == at]
+    cells = [
+      r["label"],
+      f"{min(w):,}-{max(w):,}, mean {sum(w) / len(w):,.0f}",
+      f"{r['updates']:,}",
+      f"{r['tokens']:,}",
+      f"{r['eval_loss']:.3f}",
+      f"{at_updates[0]:.3f}" if at_updates else "-",
+      f"{r['train_seconds']:.0f}",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  reach, a = summary["fixed_to_reach_adaptive_loss"], runs["adaptive"]
+  if reach is None:
+    lines += ["", f"The fixed budget does not reach the adaptive run's {a['eval_loss']:.3f}."]
+  else:
+    before = reach["previous_eval"]
+    lines += [
+      "",
+      f"The fixed budget first reaches the adaptive run's final {a['eval_loss']:.3f} at update"
+      f" {reach['updates']:,} ({reach['eval_loss']:.3f}; the evaluation before, at update"
+      f" {before['updates']:,}: {before['eval_loss']:.3f}): the adaptive run needs"
+      f" {a['updates'] / reach['updates']:.2f}-{a['updates'] / before['updates']:.2f}x its"
+      " updates for that loss.",
+    ]
+  m = report["machine"]
+  lines += [
+    "",
+    f"Budgets {s['min_tokens']:,} tokens (fixed) and {s['min_tokens']:,}-"
+    f"{s['min_tokens'] * s['range']:,} (adaptive: `fraction={s['fraction']}`,"
+    f" `max_factor={s['max_factor']}`, `warmup={s['window_warmup']}`, `decay={s['decay']}`);"
+    f" AdamW at {d['learning_rate']:g} after a {s['warmup_updates']}-update warm-up; one stream"
+    f" of {d['microbatch_size']}-line microbatches for every arm. {m['cpu_count']}-core"
+    f" {m['processor']} shared with other jobs, jax {m['jax']}. Source:"
+    " `benchmarks/results/adaptive_windows.json`, rendered by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
 def _where(record: dict[str, Any]) -> str:
   m = record["machine"]
   return f"{m['cpu_count']}-core {m['processor']} CPU, jax {m['jax']}, flax {m['flax']}"
@@ -410,6 +469,7 @@ def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
     (DEMO_DOC, DEMO_EVERY_K, render_demo_every_k(_record("demo_every_k.json"))),
     (PLANNING_DOC, DEMO_PLAN, _indent(render_demo_plan(plans), "  ")),
     (PLANNING_DOC, DEMO_REFUSAL, _indent(render_demo_refusal(_record("demo_refusal.json")), "  ")),
+    (NOISE_DOC, ADAPTIVE, render_adaptive(json.loads(ADAPTIVE_JSON.read_text()))),
   ]
 
 

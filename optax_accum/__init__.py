@@ -4,7 +4,8 @@ Wrap any Optax optimizer with :func:`accumulate`; pass each microbatch's
 gradient with its ``weight`` (examples or unmasked tokens); get exactly the
 update one physical batch would give. :func:`update_and_apply` is the fastest
 train step. Each option is an object from its own factory (:func:`token_budget`,
-:func:`aggregate`, :func:`noise_scale`, :func:`spike_rule`, the loss scales).
+:func:`adaptive_window`, :func:`aggregate`, :func:`noise_scale`, :func:`spike_rule`, the
+loss scales).
 Public submodules: :mod:`optax_accum.sharding` (scale-out and checkpoints),
 :mod:`optax_accum.testing` (pre-flight checks and test tools), :mod:`optax_accum.flax`
 (needs the ``flax`` extra), :mod:`optax_accum.pitfalls` (the warning).
@@ -17,6 +18,7 @@ from optax_accum import pitfalls as pitfalls
 from optax_accum import sharding as sharding
 from optax_accum._accumulate import accumulate
 from optax_accum._actions import discard, flush, update_and_apply
+from optax_accum._adaptive_window import adaptive_window
 from optax_accum._aggregation import aggregate
 from optax_accum._guard import spike_rule
 from optax_accum._loss_scale import dynamic_loss_scale, static_loss_scale
@@ -33,6 +35,7 @@ __version__ = "0.4.0"
 __all__ = [
   "AccumulationState",
   "accumulate",
+  "adaptive_window",
   "aggregate",
   "discard",
   "dynamic_loss_scale",

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum import (
+  _adaptive_window,
   _aggregation,
   _buffers,
   _checks,
@@ -34,7 +35,7 @@ from optax_accum import (
   _vma,
   _zero,
 )
-from optax_accum._protocols import Guard, Observer, WindowPolicy
+from optax_accum._protocols import AddWithoutGrads, Guard, Observer, WindowPolicy
 from optax_accum._state import AccumulationState, Window
 
 PyTree = Any
@@ -253,8 +254,8 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
       "num_updates, not an array of this step (that is for microbatched_value_and_grad)."
     )
   observers = _observers(observe)
-  for o in observers:
-    if isinstance(o, _noise_scale.NoiseScale):
+  for o in (policy, *observers):
+    if isinstance(o, _NOISE_ESTIMATES):
       o.check_aggregation(aggregation.weighted_mean)
   _checks.axis_names(axis_name)
   always_closes = isinstance(policy, _every_k.CountWindow) and policy.always_closes
@@ -272,6 +273,10 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
   )
 
 
+# Features whose noise estimate needs the window to be the weighted mean.
+_NOISE_ESTIMATES = (_noise_scale.NoiseScale, _adaptive_window.AdaptiveWindow)
+
+
 def _window_policy(every_k: Any) -> Any:
   """``every_k`` as a window policy: an int or a schedule (``_every_k``), or a policy object."""
   if every_k is None:
@@ -287,6 +292,8 @@ def _window_policy(every_k: Any) -> Any:
         f"the window policy {every_k!r} needs an int attribute every_k (its fixed window "
         "length, or 0): the state records it as a fingerprint (docs/protocols.md)."
       )
+    if _checks.takes(every_k.add, 3) is False:  # add(window, weight): called without grads
+      return AddWithoutGrads(every_k)
     return every_k
   if not callable(every_k) and hasattr(every_k, "closes"):
     missing = [m for m in methods if not callable(getattr(every_k, m, None))]
@@ -336,8 +343,8 @@ def init(config: _step.Config, params: PyTree) -> AccumulationState:
       "max/last rules), which are not sharded. Use shard_optimizer=False for them."
     )
   if agg.active(params):
-    for o in config.observers:
-      if isinstance(o, _noise_scale.NoiseScale):
+    for o in (config.policy, *config.observers):
+      if isinstance(o, _NOISE_ESTIMATES):
         o.check_aggregation(False)
   _pitfalls.check_fp8_scale(fp8, agg.denominator is None, config.policy.every_k)
   fdt = _numerics.scalar_dtype()

@@ -6,6 +6,8 @@ Each raises ``TypeError`` or ``ValueError`` at trace time, free in the compiled 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,6 +46,25 @@ def positive_int(value: Any, name: str, meaning: str) -> int:
       f"{value}. Use a smaller {name}."
     )
   return int(value)
+
+
+def takes(fn: Callable[..., Any], n: int) -> bool | None:
+  """Whether ``fn`` can be called with ``n`` positional arguments, read from its signature;
+  None where Python cannot read one (some builtins).
+
+  Examples:
+    >>> takes(lambda window, weight: window, 3), takes(lambda *args: None, 3)
+    (False, True)
+  """
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+  try:
+    sig.bind(*range(n))
+  except TypeError:
+    return False
+  return True
 
 
 def require(owner: str, checks: list[tuple[bool, str]]) -> None:

@@ -55,8 +55,8 @@ class CountWindow:
   def init_window(self) -> PyTree:
     return optax.EmptyState()
 
-  def add(self, window: PyTree, weight: jax.Array) -> PyTree:
-    del weight
+  def add(self, window: PyTree, weight: jax.Array, grads: PyTree) -> PyTree:
+    del weight, grads
     return window
 
   def closes(self, state: PyTree, window: PyTree, position: Position) -> jax.Array:

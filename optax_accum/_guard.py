@@ -17,7 +17,6 @@ docs/guards.md.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -273,20 +272,9 @@ def guards(skip_if: Any) -> Guards:
 
 def _callable_kind(fn: Callable[..., Any]) -> str:
   """``'predicate'`` (takes one argument) or ``'multisteps'`` (takes three)."""
-  try:
-    sig = inspect.signature(fn)
-  except (TypeError, ValueError):
-    sig = None
-
-  def takes(sig: inspect.Signature, n: int) -> bool:
-    try:
-      sig.bind(*range(n))
-    except TypeError:
-      return False
-    return True
-
-  if sig is not None and takes(sig, 1) != takes(sig, 3):
-    return "predicate" if takes(sig, 1) else "multisteps"
+  one, three = _checks.takes(fn, 1), _checks.takes(fn, 3)
+  if one is not None and one != three:
+    return "predicate" if one else "multisteps"
   raise TypeError(
     f"skip_if cannot tell what {fn!r} judges from its signature: a window predicate takes one "
     "argument (the window's statistics: skip_if=lambda s: ...), an optax.MultiSteps "

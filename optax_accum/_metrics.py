@@ -52,6 +52,8 @@ class Metrics(NamedTuple):
       ``int()`` read it exactly outside ``jit``, ``.approx()`` under it. None without a budget.
     window_weight: with a token budget, a ``WeightCount``, the weight of the last closed
       non-empty window (the last update's effective batch); None without one.
+    window_budget: with ``every_k=optax_accum.adaptive_window(...)``, float, the open window's
+      budget (weight units), which follows the noise scale; None without one.
     observers: per observer of ``observe=``, its sub-state's ``metrics()`` dict (or the
       sub-state itself where it has no such method), a tuple.
 
@@ -91,6 +93,7 @@ class Metrics(NamedTuple):
   noise_signal: jax.Array
   weight_seen: Any  # a WeightCount, or None without a token budget
   window_weight: Any  # a WeightCount, or None without a token budget
+  window_budget: Any  # a float array, or None without an adaptive window
   observers: tuple[Any, ...]
 
 
@@ -120,7 +123,7 @@ def metrics(opt_state: PyTree) -> Metrics:
   s = find_state(opt_state)
   observed = tuple(_read(o) for o in s.observers)
   shown: dict[str, Any] = {}
-  for sub in (s.policy, s.guard, *observed):
+  for sub in (_read(s.policy), _read(s.guard), *observed):
     shown.update(sub if isinstance(sub, dict) else {})
   zero_f, zero_i = jnp.zeros_like(s.grad_norm), jnp.zeros_like(s.num_skipped)
   return Metrics(
@@ -142,6 +145,7 @@ def metrics(opt_state: PyTree) -> Metrics:
     noise_signal=shown.get("noise_signal", zero_f),
     weight_seen=_metric(s.policy, "weight_seen", None),
     window_weight=_metric(s.policy, "window_weight", None),
+    window_budget=_metric(s.policy, "window_budget", None),
     observers=observed,
   )
 

@@ -71,17 +71,22 @@ class NoiseScale:
     self, state: NoiseScaleState, window: tuple[jax.Array, jax.Array], outcome: Outcome
   ) -> NoiseScaleState:
     """The window's estimate folded into the EMAs (finite, applied-or-not-spiked, K >= 2)."""
+    return self.fold(state, window, outcome)[0]
+
+  def fold(self, state: NoiseScaleState, window, outcome: Outcome):
+    """``(sub-state, counted)``: the sub-state after the window, and whether its estimate
+    entered the EMAs (a finite window, not empty nor a spike, with ``K >= 2``)."""
     stats = outcome.stats
     sq_sum, samples = window
     est = estimate(sq_sum, samples, stats.weight, stats.grad_norm, outcome.loss_scale)
     ok = outcome.finite & ~outcome.empty & ~outcome.spike
-    return NoiseScaleState(*ema_update(tuple(state), est, self.decay, ok))
+    return NoiseScaleState(*ema_update(tuple(state), est, self.decay, ok)), est.valid & ok
 
-  def check_aggregation(self, weighted_mean: bool) -> None:
+  def check_aggregation(self, weighted_mean: bool, owner: str = "noise_scale") -> None:
     """Raises unless the window is the weighted mean (the estimate's premise)."""
     if not weighted_mean:
       raise ValueError(
-        "noise_scale estimates the noise of a weighted mean: it cannot observe a window with "
+        f"{owner} estimates the noise of a weighted mean: it cannot observe a window with "
         "a fixed denominator, apply_empty or per-leaf rules (optax_accum.aggregate(...), or "
         "Flax FP8 leaves: give them reduce='mean'). Leave one of them out."
       )

@@ -187,7 +187,7 @@ def add_microbatch(config, state, grads, w, value) -> st.Window:
   new = window._replace(
     grad_sum=config.aggregation.add(acc, grads, w, window.weight_sum == 0),
     weight_sum=window.weight_sum + w,
-    policy=config.policy.add(window.policy, w),
+    policy=config.policy.add(window.policy, w, grads),
     observers=tuple(
       o.add(s, grads, w) for o, s in zip(config.observers, window.observers, strict=True)
     ),

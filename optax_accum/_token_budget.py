@@ -67,7 +67,8 @@ class TokenBudget:
     """The open window's weight in exact 12-bit parts (float ``[7]``)."""
     return wc.zero_parts()
 
-  def add(self, window: jax.Array, weight: jax.Array) -> jax.Array:
+  def add(self, window: jax.Array, weight: jax.Array, grads: PyTree) -> jax.Array:
+    del grads
     return wc.add_parts(window, weight)
 
   def budget(self, num_updates: jax.Array, weight_seen: WeightCount) -> jax.Array:
@@ -88,14 +89,8 @@ class TokenBudget:
     device decides alike; a budget <= 0 or NaN closes every window at its first microbatch.
     """
     del window
-    total = position.weight_sum
-    if position.axis_name is not None:
-      total = jax.lax.psum(total, position.axis_name)
-    budget = self.budget(position.num_updates, state.weight_seen).astype(total.dtype)
-    reached = ~(total < budget)
-    if self.max_microbatches is None:
-      return reached
-    return reached | (position.mini_step >= self.max_microbatches)
+    budget = self.budget(position.num_updates, state.weight_seen)
+    return reaches(position, budget, self.max_microbatches)
 
   def close(self, state: TokenBudgetState, window: jax.Array, outcome: Outcome) -> TokenBudgetState:
     """The (all-reduced) ``window``'s parts counted exactly; an empty window keeps the last one."""
@@ -149,6 +144,23 @@ class TokenBudget:
         "token_budget(ramp, of='num_updates')."
       )
     return sqrt_scaled_schedule(schedule, self.weight, reference_weight)
+
+
+def reaches(position: Position, budget: jax.Array, max_microbatches: int | None) -> jax.Array:
+  """Whether the open window's weight reaches ``budget`` with this microbatch (or it holds
+  ``max_microbatches``): ``~(weight_sum < budget)``, a boolean scalar.
+
+  Under ``axis_name`` the weight sum is psum'd first (one scalar all-reduce per microstep), so
+  every device decides alike. Window policies that close on a budget (``token_budget``,
+  ``adaptive_window``) decide here.
+  """
+  total = position.weight_sum
+  if position.axis_name is not None:
+    total = jax.lax.psum(total, position.axis_name)
+  reached = ~(total < jnp.asarray(budget).astype(total.dtype))
+  if max_microbatches is None:
+    return reached
+  return reached | (position.mini_step >= max_microbatches)
 
 
 def token_budget(
@@ -210,18 +222,19 @@ def token_budget(
       f"token_budget: of={of!r} is only meaningful with a callable weight (a ramp); got the "
       f"number {weight!r}. Drop of=, or pass a callable."
     )
-  return TokenBudget(_budget_number(weight), None, max_microbatches)
+  return TokenBudget(budget_number(weight), None, max_microbatches)
 
 
-def _budget_number(budget: Any) -> float:
-  """A fixed budget: finite, > 0 and exactly representable in the weight-sum dtype."""
-  _checks.real_number(budget, "token_budget: weight", "the weight, e.g. tokens, per window")
+def budget_number(budget: Any, name: str = "token_budget: weight") -> float:
+  """A fixed budget: finite, > 0 and exactly representable in the weight-sum dtype; errors
+  name ``name`` (``'owner: argument'``)."""
+  _checks.real_number(budget, name, "the weight, e.g. tokens, per window")
   dtype = _numerics.scalar_dtype()
   value = float(budget)
   if not (np.isfinite(value) and value > 0):
     raise ValueError(
-      f"token_budget: weight must be finite and > 0 (the weight, e.g. tokens, at which a "
-      f"window closes), got {budget}. Use every_k=k for windows of k microbatches."
+      f"{name} must be finite and > 0 (the weight, e.g. tokens, at which a window closes), "
+      f"got {budget}. Use every_k=k for windows of k microbatches."
     )
   with np.errstate(over="ignore"):
     rounded = np.asarray(value, dtype)
@@ -231,7 +244,7 @@ def _budget_number(budget: Any) -> float:
   if not exact:
     limit = 2 ** (np.finfo(dtype).nmant + 1)
     raise ValueError(
-      f"token_budget: weight={budget} is not exactly representable in {dtype}, the dtype of "
+      f"{name}={budget} is not exactly representable in {dtype}, the dtype of "
       f"the window's weight sum (integers up to {limit} always are), so windows would close "
       f"at {float(rounded):.17g}. Pass a representable budget (e.g. a multiple of a power of "
       "two), or enable jax_enable_x64 for float64 sums."

@@ -392,3 +392,50 @@ def test_the_timing_line_goes_above_the_progress_bar_not_into_it(monkeypatch):
   assert line and "3/10" in before and "3/10" in after  # the bar, drawn again below the line
   # The bar was cleared (carriage return, no bar text) right before the line started.
   assert before.endswith("\r") and before.rstrip("\r ").endswith(("]", "\r"))
+
+
+def test_cli_adaptive_needs_a_token_budget(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["demo", "--adaptive", "--tokens-per-update", "0"])
+  assert e.value.code == 2
+  assert "--adaptive sizes windows in tokens: give --tokens-per-update" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # about 10 s: compiles the demo's step
+def test_adaptive_windows_grow_and_each_equals_a_physical_batch_at_its_scaled_lr():
+  """--adaptive (issue 40): the windows grow past the smallest budget as B_simple is measured;
+  each update is plain SGD on its window as one physical batch, at the learning rate times
+  sqrt(window tokens / tokens_per_update)."""
+  cfg = _tiny_config(
+    28, microbatch_size=2, every_k=1, tokens_per_update=40, updates=40, adaptive=True
+  )
+  lr = 0.5
+  result = demo.train(cfg, out=None, progress=False, check=False, inner=optax.sgd(lr))
+  # The stream as the loop reads it: epochs of the training lines, reshuffled after each.
+  train_lines, _ = demo.split_lines(cfg)
+  rng, mbs = np.random.default_rng(cfg.seed + 1), []
+  while len(mbs) < result.metrics["num_microbatches"]:
+    mbs += demo.microbatches(train_lines, cfg.seq_len, cfg.microbatch_size)
+    rng.shuffle(train_lines)
+  counts = [int(mb["mask"].sum()) for mb in mbs]
+  windows, start = [], 0
+  for tokens in result.window_tokens.tolist():  # consecutive microbatches holding these tokens
+    end = start + 1
+    while sum(counts[start:end]) < tokens:
+      end += 1
+    assert sum(counts[start:end]) == tokens
+    windows.append(range(start, end))
+    start = end
+  assert start == result.metrics["num_microbatches"] and len(windows) == 40
+  # At the smallest budget a window holds < 40 + one microbatch's tokens; later ones hold more.
+  assert max(result.window_tokens) > 40 + max(counts) and result.metrics["window_budget"] > 40
+  params, value_and_grad = _reference(cfg)
+  for w in windows:
+    batch = {k: np.concatenate([mbs[i][k] for i in w]) for k in mbs[0]}
+    _, g = value_and_grad(params, batch)
+    step = lr * np.sqrt(sum(counts[i] for i in w) / 40)
+    params = jax.tree.map(lambda x, y, step=step: x - step * y, params, g)
+  # float32 rounding grows over 40 steps of SGD at lr up to 0.9 (1e-6 after 12 updates, 5e-5
+  # after 40); the learning rate without its scaling would be off by up to 1.8x.
+  got = nnx.state(result.model, nnx.Param)
+  chex.assert_trees_all_close(got, params, rtol=1e-4, atol=2e-4)

@@ -107,6 +107,13 @@ CHECKS = {
       "  assert 0 < w['MFU'] < 1 and w['tokens/s'] > 0\n",
     ),
   ],
+  "noise_scale.md": [
+    (  # issue 40: the windows start at the minimum and grow to about B_simple = 16 examples
+      "adaptive_window(4, 256",
+      "assert w[:5].mean() < 9 and 10 < w[len(w) // 2 :].mean() < 32, w\n"
+      "assert float(optax_accum.metrics(state).window_budget) > 8\n",
+    ),
+  ],
   "scaling.md": [
     (
       "init_sharded",
@@ -176,7 +183,11 @@ PRINTS = {
     "is with it",
   ],
   "scaling.md": [r"\(8, 4\) \(1, 4\)"],  # ZeRO-1: each device holds 4 of w's 32 moments
-  "noise_scale.md": [r"B_simple [3-5]\.\d examples \(true 4\.0\)"],
+  "noise_scale.md": [
+    r"B_simple [3-5]\.\d examples \(true 4\.0\)",
+    r"\d+ windows: \d+\.\d examples for the first 5, \d+\.\d for the last half "
+    r"\(B_simple 16, plus the overshoot\)",
+  ],
   "in_step.md": [  # optax.microbatching reduces in the loop; ours after it; then the report
     r"optax\.microbatching 1 0",
     r"optax_accum, axis_name 0 1",

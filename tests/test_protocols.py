@@ -113,6 +113,53 @@ def test_a_token_budget_from_a_callback_equals_token_budget():
   assert int(states[0].num_updates) == int(states[1].num_updates) == 3  # budgets 5, 8, 11
 
 
+class GradEnergy:
+  """Closes a window when its microbatches' squared gradient norms sum to ``threshold``: a
+  policy whose ``add`` takes the gradient (``add(window, weight, grads)``, issue 40)."""
+
+  every_k = 0
+
+  def __init__(self, threshold):
+    self.threshold = threshold
+
+  def init(self):
+    return optax.EmptyState()
+
+  def init_window(self):
+    return jnp.zeros((), jnp.float32)
+
+  def add(self, window, weight, grads):
+    sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+    return jnp.where(weight > 0, window + sq, window)
+
+  def closes(self, state, window, position):
+    return window >= self.threshold
+
+  def close(self, state, window, outcome):
+    return state
+
+
+def test_a_window_policy_that_reads_each_microbatch_gradient():
+  """The window sums of a policy see each microbatch's gradient; 0.4.0's two-argument ``add``
+  (Alternating, TokenCallback above) keeps working beside it."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), GradEnergy(20.0))
+  state = tx.init(PARAMS)
+  step = jax.jit(lambda g, s, w: tx.update(g, s, PARAMS, weight=w))
+  gs = [1.0, 3.0, 2.0, 2.0, 1.0, 4.0, 5.0]
+  ws = [1.0, 2.0, 1.0, 1.0, 2.0, 1.0, 1.0]
+  emitted = []
+  for g, w in zip(gs, ws, strict=True):
+    u, state = step(_grads([g, -g]), state, w)
+    emitted.append(float(u["w"][0]))
+  # By hand: |g|^2 = 2 g^2 per microbatch: 2 + 18 = 20 closes [0, 1]; 8 + 8 + 2 + 32 = 50
+  # closes [2, 3, 4, 5]; 50 closes [6].
+  means = [(1 + 2 * 3) / 3, (2 + 2 + 2 * 1 + 4) / 5, 5.0]
+  want = [0, -means[0], 0, 0, 0, -means[1], -means[2]]
+  np.testing.assert_allclose(emitted, want, rtol=1e-6)
+  assert int(optax_accum.metrics(state).num_updates) == 3
+  assert_state_finite(state)
+
+
 def test_a_policy_missing_a_method_or_every_k_is_refused():
   class NoEveryK(Alternating):
     every_k = None

@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     # SUPPRESS: an option not given stays out of the namespace (and out of the formatter's
     # "(default: ...)"), so the defaults of the chosen configuration apply.
     demo.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+  demo.add_argument(
+    "--adaptive",
+    action="store_true",
+    default=argparse.SUPPRESS,  # a DemoConfig field: given, it overrides the default
+    help="windows that follow the measured critical batch (optax_accum.adaptive_window), from "
+    "--tokens-per-update up to 16 times it, the learning rate scaled by sqrt(window tokens)",
+  )
   demo.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
   demo.add_argument(
     "--record",
@@ -170,6 +177,8 @@ def _run_demo(demo: argparse.ArgumentParser, args: argparse.Namespace, record: A
       file=out,
       flush=True,
     )
+  if config.adaptive and config.tokens_per_update is None:
+    demo.error("--adaptive sizes windows in tokens: give --tokens-per-update (the smallest), not 0")
   if args.memory_budget is not None:  # compiles the step for a few sizes; allocates nothing
     try:
       config, line = plan.plan_config(config, args.memory_budget)

@@ -29,6 +29,9 @@ class DemoConfig:
       the first microbatch reaching it (``accumulate(inner, optax_accum.token_budget(N))``),
       so every update sees about the same number of tokens; None: windows of
       ``every_k`` microbatches, whose token counts vary.
+    adaptive: windows that follow the measured critical batch (``optax_accum.adaptive_window``:
+      from ``tokens_per_update`` up to ``train.ADAPTIVE_RANGE`` times it, the learning rate
+      scaled by the square root of each window's tokens); needs ``tokens_per_update``.
     updates: optimizer updates (windows) to train for.
     seed: seed of the model init and of the data shuffling.
     seq_len: context length in bytes; longer lines are cut.
@@ -46,6 +49,7 @@ class DemoConfig:
   microbatch_size: int = 16
   every_k: int = 4
   tokens_per_update: int | None = 2048  # about every_k microbatches of real bytes
+  adaptive: bool = False
   updates: int = 500
   seed: int = 0
   seq_len: int = 64

@@ -160,6 +160,8 @@ def _evaluate(loss_sum_and_tokens: Any, state: Any, batches: list[Batch]) -> flo
 TIMING_SECONDS, TIMING_MAX_SECONDS = 1.0, 10.0
 # The EMA decay of the gradient noise scale (per window; about the last 20 windows count).
 NOISE_SCALE_DECAY = 0.95
+# --adaptive: windows from tokens_per_update up to this many times it (docs/noise_scale.md).
+ADAPTIVE_RANGE = 16
 
 
 def train(
@@ -211,11 +213,23 @@ def train(
   # tokens, from each window's microbatches.
   every_k = config.every_k if budget is None else optax_accum.token_budget(budget)
   noise = optax_accum.noise_scale(NOISE_SCALE_DECAY)
-  tx = optax_accum.accumulate(inner, every_k, observe=(noise,))
+  if config.adaptive:  # the budget follows B_simple, measured by the policy itself
+    high = ADAPTIVE_RANGE * budget
+    every_k = optax_accum.adaptive_window(budget, high, decay=NOISE_SCALE_DECAY)
+    tx = every_k.scale_learning_rate(optax_accum.accumulate(inner, every_k))
+  else:
+    tx = optax_accum.accumulate(inner, every_k, observe=(noise,))
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
   console.header(out, config, num_params, len(train_lines) + len(eval_lines))
+  if config.adaptive:
+    console.write(
+      out,
+      f"adaptive: each window's budget moves toward B_simple, from {budget} to {high} real "
+      f"bytes, by at most x{every_k.max_factor} per update after {every_k.warmup} windows; the "
+      f"learning rate x sqrt(window bytes / {budget})",
+    )
   report = _report_preflight(out, model, epoch[: config.every_k], inner) if check else None
 
   graphdef, state = nnx.split((model, optimizer))
@@ -228,7 +242,8 @@ def train(
     planned = planned_by_tokens(config, train_lines)
   console.write(
     out,
-    f"\nTraining: {config.updates} updates = {planned:,} microbatches "
+    f"\nTraining: {config.updates} updates = {'at least ' if config.adaptive else ''}"
+    f"{planned:,} microbatches "
     f"({planned / len(epoch):.1f} epochs of {len(epoch):,}); held-out loss before: "
     f"{eval_before:.4f}",
   )
@@ -243,7 +258,8 @@ def train(
     losses=losses,
     eval_before=eval_before,
     eval_after=_evaluate(loss_sum_and_tokens, run.state, eval_batches),
-    metrics={k: v.item() for k, v in final._asdict().items() if v is not None},
+    # Arrays and weight counts (not None, nor the observers' tuple of dicts).
+    metrics={k: v.item() for k, v in final._asdict().items() if hasattr(v, "item")},
     tokens=run.tokens,
     flushed_windows=run.flushed,
     window_tokens=np.asarray(run.window_weights, np.int64),
@@ -328,6 +344,7 @@ def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
         window_weights.append(pending_tokens)
         pending = pending_tokens = 0
         new_updates = int(m.num_updates)  # waits for this step: one sync per window
+        budget = budget if m.window_budget is None else float(m.window_budget)  # --adaptive
         shown.closed(m, num_updates, new_updates, tokens, window_weights[-1])
         num_updates = new_updates
         if num_updates >= config.updates:

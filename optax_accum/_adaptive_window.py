@@ -115,7 +115,7 @@ class AdaptiveWindow:
       _noise_scale.add(window.noise, grads, weight),
     )
 
-  def closes(self, state: AdaptiveWindowState, window: WindowSums, position: Position):
+  def closes(self, state: AdaptiveWindowState, window: WindowSums, position: Position) -> jax.Array:
     """The window reaches ``state.budget`` (the global weight under ``axis_name``: one scalar
     all-reduce per microstep) or the microbatch cap."""
     del window
@@ -245,7 +245,7 @@ class AdaptiveWindow:
       if rule == "linear":
         return weight / jnp.asarray(ref, weight.dtype)
       # The token budget's rule, 1.0 * sqrt(weight / ref), at the realized weight.
-      return _token_budget.sqrt_scaled_schedule(1.0, lambda count: weight, ref)(count=None)
+      return _token_budget.sqrt_scaled_schedule(1.0, lambda w: w, ref)(weight)
 
     def update_fn(updates, state, params=None, **extra_args):
       updates, state = tx.update(updates, state, params, **extra_args)

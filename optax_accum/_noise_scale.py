@@ -73,7 +73,9 @@ class NoiseScale:
     """The window's estimate folded into the EMAs (finite, applied-or-not-spiked, K >= 2)."""
     return self.fold(state, window, outcome)[0]
 
-  def fold(self, state: NoiseScaleState, window, outcome: Outcome):
+  def fold(
+    self, state: NoiseScaleState, window: tuple[jax.Array, jax.Array], outcome: Outcome
+  ) -> tuple[NoiseScaleState, jax.Array]:
     """``(sub-state, counted)``: the sub-state after the window, and whether its estimate
     entered the EMAs (a finite window, not empty nor a spike, with ``K >= 2``)."""
     stats = outcome.stats

@@ -66,7 +66,7 @@ class Alternating:
   def init_window(self):
     return optax.EmptyState()
 
-  def add(self, window, weight):
+  def add(self, window, weight, grads):
     return window
 
   def closes(self, state, window, position):

@@ -213,22 +213,26 @@ def train(
   # tokens, from each window's microbatches.
   every_k = config.every_k if budget is None else optax_accum.token_budget(budget)
   noise = optax_accum.noise_scale(NOISE_SCALE_DECAY)
+  adaptive = None
   if config.adaptive:  # the budget follows B_simple, measured by the policy itself
+    if budget is None:  # the command line refuses --adaptive without a token budget
+      raise ValueError("DemoConfig(adaptive=True) needs tokens_per_update (the smallest budget)")
     high = ADAPTIVE_RANGE * budget
-    every_k = optax_accum.adaptive_window(budget, high, decay=NOISE_SCALE_DECAY)
-    tx = every_k.scale_learning_rate(optax_accum.accumulate(inner, every_k))
+    adaptive = optax_accum.adaptive_window(budget, high, decay=NOISE_SCALE_DECAY)
+    tx = adaptive.scale_learning_rate(optax_accum.accumulate(inner, adaptive))
   else:
     tx = optax_accum.accumulate(inner, every_k, observe=(noise,))
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)  # the fused path
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   epoch = microbatches(train_lines, config.seq_len, config.microbatch_size)
   console.header(out, config, num_params, len(train_lines) + len(eval_lines))
-  if config.adaptive:
+  if adaptive is not None:
     console.write(
       out,
-      f"adaptive: each window's budget moves toward B_simple, from {budget} to {high} real "
-      f"bytes, by at most x{every_k.max_factor} per update after {every_k.warmup} windows; the "
-      f"learning rate x sqrt(window bytes / {budget})",
+      f"adaptive: each window's budget moves toward B_simple, from {adaptive.min_weight:g} to"
+      f" {adaptive.max_weight:g} real bytes, by at most x{adaptive.max_factor} per update"
+      f" after {adaptive.warmup} windows; the learning rate x sqrt(window bytes /"
+      f" {adaptive.min_weight:g})",
     )
   report = _report_preflight(out, model, epoch[: config.every_k], inner) if check else None
 

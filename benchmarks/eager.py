@@ -18,27 +18,14 @@ Ratios are against ``adam`` measured in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-from microstep import machine, write_report
+from microstep import machine, median_ms, write_report
 
 import optax_accum
-
-
-def _median_ms(fn: Callable[[], object], calls: int) -> float:
-  jax.block_until_ready(fn())  # the first call compiles (or warms op-by-op caches)
-  times = []
-  for _ in range(calls):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append((time.perf_counter() - t) * 1e3)
-  return statistics.median(times)
 
 
 def run(num_params: int, calls: int) -> dict[str, object]:
@@ -60,7 +47,7 @@ def run(num_params: int, calls: int) -> dict[str, object]:
     "metrics": lambda: optax_accum.metrics(open_state),
   }
   slow = {"multisteps": max(3, calls // 10)}  # about half a second per call
-  ms = {name: _median_ms(fn, slow.get(name, calls)) for name, fn in entry.items()}
+  ms = {name: median_ms(fn, slow.get(name, calls)) for name, fn in entry.items()}
   return {
     "num_params": rows * 1024 * 4,
     "calls": calls,

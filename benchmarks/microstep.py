@@ -42,9 +42,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -56,6 +55,7 @@ import numpy as np
 import optax
 
 import optax_accum
+from optax_accum.demo import record
 
 # Trees kept alive per variant (params, optimizer state, temporaries), plus the gradient.
 _TREES_ALIVE = 20
@@ -377,16 +377,20 @@ def write_report(report: dict[str, Any], out: str | None) -> None:
 
 
 def machine() -> dict[str, Any]:
-  return {
-    "platform": platform.platform(),
-    "processor": platform.processor() or platform.machine(),
-    "cpu_count": os.cpu_count(),
-    "python": sys.version.split()[0],
-    "jax": jax.__version__,
-    "optax": optax.__version__,
-    "devices": [str(d) for d in jax.devices()],
-    "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-  }
+  """Where the benchmark ran (the demo's record of it) and on which JAX devices."""
+  return {**record.machine(), "devices": [str(d) for d in jax.devices()]}
+
+
+def median_ms(fn: Callable[[], object], calls: int) -> float:
+  """The median wall time of ``calls`` calls of ``fn`` in ms, after one call that compiles (or
+  warms op-by-op caches)."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(calls):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append((time.perf_counter() - t) * 1e3)
+  return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -24,25 +24,14 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from microstep import machine, write_report
+from microstep import machine, median_ms, write_report
 
 from optax_accum import testing
-
-
-def _median_ms(fn: Callable[[], object], calls: int) -> float:
-  jax.block_until_ready(fn())  # the first call compiles
-  times = []
-  for _ in range(calls):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append((time.perf_counter() - t) * 1e3)
-  return statistics.median(times)
 
 
 def mlp(num_params: int, features: int, seed: int = 0) -> dict[str, jax.Array]:
@@ -79,10 +68,10 @@ def _pieces(params, batch, inner, k: int, calls: int) -> tuple[dict[str, float],
   jax.block_until_ready(testing._residuals(grads, g_ref, weights))
   first_ms = (time.perf_counter() - t) * 1e3  # compiles once per shape
   pieces = {
-    "gram": _median_ms(lambda: gram_fn(grads, g_ref), calls),
-    "solve": _median_ms(lambda: testing._solve(gram, proj), calls),
-    "residuals": _median_ms(lambda: testing._residuals(grads, g_ref, weights), calls),
-    "allowance": _median_ms(lambda: allowance(g_ref, u_ref), calls),
+    "gram": median_ms(lambda: gram_fn(grads, g_ref), calls),
+    "solve": median_ms(lambda: testing._solve(gram, proj), calls),
+    "residuals": median_ms(lambda: testing._residuals(grads, g_ref, weights), calls),
+    "allowance": median_ms(lambda: allowance(g_ref, u_ref), calls),
   }
   return pieces, first_ms
 

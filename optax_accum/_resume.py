@@ -199,14 +199,12 @@ def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: Py
     return check_compatible(tx, params, _from_03(tx, params, restored))
   restored_states = find_states(restored)
   if not find_states(jax.eval_shape(tx.init, params)):
-    for s in restored_states:
-      if not isinstance(s.mini_step, jax.core.Tracer) and int(s.mini_step):
-        raise ValueError(
-          f"The restored accumulate state's open window holds {int(s.mini_step)} "
-          "microbatches, which a state without accumulate cannot keep. Close it first "
-          "(optax_accum.flush, or flush=True on its last microbatch) or drop it "
-          "(optax_accum.discard)."
-        )
+    if held := _open_window(restored_states):
+      raise ValueError(
+        f"The restored accumulate state's open window holds {held} microbatches, which a state "
+        "without accumulate cannot keep. Close it first (optax_accum.flush, or flush=True on its "
+        "last microbatch) or drop it (optax_accum.discard)."
+      )
     migrated = map_states(lambda s: s.inner_state, restored)
   elif restored_states:
     try:
@@ -355,6 +353,14 @@ def _stacked_shapes(expected: PyTree) -> PyTree:
   return map_states(lambda s: map_per_device(lambda a: _Leaf((-1, *a.shape), a.dtype), s), expected)
 
 
+def _open_window(states: list[Any]) -> int:
+  """The microbatches held by the first concrete state with an open window, else 0."""
+  for s in states:
+    if not isinstance(s.mini_step, jax.core.Tracer) and int(s.mini_step):
+      return int(s.mini_step)
+  return 0
+
+
 def _reconfigure(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
   """``restored``'s accumulate states, each with an empty window, moved into ``tx.init(params)``'s
   configuration: counters and the inner state kept, feature sub-states kept where their
@@ -366,15 +372,14 @@ def _reconfigure(tx: optax.GradientTransformation, params: PyTree, restored: PyT
       f"The restored state holds {len(old)} accumulate states and tx.init(params) "
       f"{len(find_states(fresh))}: restore it into the transformation that wrote it."
     )
-  for s in old:
-    if not isinstance(s.mini_step, jax.core.Tracer) and int(s.mini_step):
-      raise ValueError(
-        f"The restored state's open window holds {int(s.mini_step)} microbatches of the old "
-        "configuration; a state moves to another window length or policy only between "
-        "windows. Close the window with the old transformation first (optax_accum.flush(old_tx, "
-        "state, params), or flush=True on its last microbatch) or drop it "
-        "(optax_accum.discard(state)), then migrate_state(tx, params, state)."
-      )
+  if held := _open_window(old):
+    raise ValueError(
+      f"The restored state's open window holds {held} microbatches of the old "
+      "configuration; a state moves to another window length or policy only between "
+      "windows. Close the window with the old transformation first (optax_accum.flush(old_tx, "
+      "state, params), or flush=True on its last microbatch) or drop it "
+      "(optax_accum.discard(state)), then migrate_state(tx, params, state)."
+    )
   same = lambda a, b: jax.tree.structure(a) == jax.tree.structure(b)
   kept = ("num_microbatches", "num_updates", "num_skipped", "updated", "window_loss",
           "has_window_loss", "grad_norm", "has_grad_norm")  # fmt: skip

@@ -357,10 +357,13 @@ class EquivalenceReport(NamedTuple):
     m = self.mean_of_means
     tol_m = atol + rtol * m.scale
     over = f"{m.max_abs / tol_m:,.0f}x the tolerance" if tol_m > 0 else ""
-    lines.append(
-      f"{'mean of means would give (grad)':<34}{m.max_abs:>11.3g}{m.max_rel:>11.3g}"
-      f"{tol_m:>13.3g}  not checked: {over}"
-    )
+    if k == 1:  # nothing to weigh: the mean of one mean is the window's
+      lines.append("mean of means: the same as the window (one microbatch, nothing to weigh)")
+    else:
+      lines.append(
+        f"{'mean of means would give (grad)':<34}{m.max_abs:>11.3g}{m.max_rel:>11.3g}"
+        f"{tol_m:>13.3g}  not checked: {over}"
+      )
     lines.append(f"updates applied: {self.num_updates} (1 expected)")
     lines.append(
       "* plus, per element, how far the inner update moves when the gradient moves by its\n"

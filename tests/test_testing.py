@@ -78,6 +78,18 @@ def test_c1_mean_of_means_row_is_hand_worked():
   np.testing.assert_allclose(report.loss_weights, [0.1, 0.3, 0.6], atol=1e-6)
 
 
+def test_a_window_of_one_microbatch_shows_no_mean_of_means_row():
+  """With K = 1 the mean of means is the window's own mean: the report says so instead of a
+  row of zeros "0x the tolerance" (the demo's --memory-budget plans can choose every_k=1)."""
+  loss = lambda w, batch: (0.5 * (w - batch["y"]) ** 2).mean()
+  batch = {"y": jnp.asarray([1.0, 2.0, 6.0])}
+  report = testing.check_equivalence(loss, jnp.zeros(()), batch, optax.sgd(1.0), num_microbatches=1)
+  assert report.passed() and report.mean_of_means.max_abs == 0.0
+  text = str(report)
+  assert "mean of means: the same as the window (one microbatch" in text
+  assert "the tolerance" not in text and "mean of means would give" not in text
+
+
 def test_a_sum_loss_fails_with_its_scale():
   """A summed loss: the batch's gradient is the sum of the 4 microbatches', 4x their mean."""
   batch = models.linear_regression_data(8)

@@ -288,7 +288,8 @@ def _report_preflight(
   mom = report.mean_of_means.max_rel
   ratio = f" ({mom / acc_diff:,.0f}x larger)" if acc_diff > 0 else ""
   console.write(out, f"pre-flight: accumulated vs physical batch max rel diff = {acc_diff:.2e}")
-  console.write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
+  if len(report.weights) > 1:  # one microbatch: its mean is the window's
+    console.write(out, f"pre-flight: mean-of-means gradient max rel diff = {mom:.2e}{ratio}")
   return report
 
 

@@ -5,7 +5,7 @@ when its weight reaches a budget, and moves the budget after each update toward 
 B_simple``, the gradient noise scale it measures from the windows' own microbatches (McCandlish et
 al. 2018): bounded, changed at most by a factor per update, held at the minimum for a warm-up.
 It composes the token budget's exact weight count (``_token_budget``) and the noise scale's
-estimator (``_noise_scale``); its learning-rate rule is :meth:`AdaptiveWindow.scale_learning_rate`.
+estimator (``_noise_scale``); its learning-rate rule is ``AdaptiveWindow.scale_learning_rate``.
 docs/noise_scale.md.
 """
 
@@ -288,7 +288,7 @@ def adaptive_window(
   device holds the same budget. The budget is in the state: a run resumed mid-window continues
   the same window sizes. ``metrics(state)`` shows ``window_budget``, ``noise_scale``,
   ``weight_seen`` and ``window_weight``. Scale the learning rate with the window:
-  :meth:`AdaptiveWindow.scale_learning_rate`. docs/noise_scale.md.
+  ``AdaptiveWindow.scale_learning_rate``. docs/noise_scale.md.
 
   A window needs two microbatches of nonzero weight for an estimate (each device's microbatch is
   a sample under ``axis_name``): make ``min_weight`` at least two microbatches' weight, or the
@@ -309,7 +309,7 @@ def adaptive_window(
       cap.
 
   Returns:
-    An :class:`AdaptiveWindow`.
+    An ``AdaptiveWindow``; its ``scale_learning_rate`` scales each update with the window.
 
   Raises:
     TypeError, ValueError: naming the bad argument and what to pass; at ``accumulate``, with a

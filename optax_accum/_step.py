@@ -336,7 +336,6 @@ def refuse_another_configuration(config, header: st.AccumulationState, tree: PyT
         ],
         "This optimizer state",
       )
-    return ~np.asarray(flag)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.manual_axes and set(mesh.manual_axes) != set(mesh.axis_names):
@@ -344,11 +343,16 @@ def refuse_another_configuration(config, header: st.AccumulationState, tree: PyT
     # lowers there, at the cost of the slower dispatch.
     jax.lax.cond(mismatch, lambda: jax.debug.callback(refuse, mismatch, header.every_k), _none)
     return jnp.ones((), jnp.bool_)
+
+  def accept(flag, every_k):  # raises for a mismatched state, else true
+    refuse(flag, every_k)
+    return ~np.asarray(flag)
+
   accepted = jax.ShapeDtypeStruct((), jnp.bool_)
   return jax.lax.cond(
     mismatch,
     lambda: jax.pure_callback(
-      refuse, accepted, mismatch, header.every_k, vmap_method="broadcast_all"
+      accept, accepted, mismatch, header.every_k, vmap_method="broadcast_all"
     ),
     lambda: jnp.ones((), jnp.bool_),
   )

@@ -341,7 +341,9 @@ def refuse_another_configuration(config, header: st.AccumulationState, tree: PyT
   if mesh.manual_axes and set(mesh.manual_axes) != set(mesh.axis_names):
     # A shard_map manual over some axes only (HSDP) lowers no pure_callback; a debug callback
     # lowers there, at the cost of the slower dispatch.
-    jax.lax.cond(mismatch, lambda: jax.debug.callback(refuse, mismatch, header.every_k), _none)
+    jax.lax.cond(
+      mismatch, lambda: jax.debug.callback(refuse, mismatch, header.every_k), lambda: None
+    )
     return jnp.ones((), jnp.bool_)
 
   def accept(flag, every_k):  # raises for a mismatched state, else true
@@ -356,10 +358,6 @@ def refuse_another_configuration(config, header: st.AccumulationState, tree: PyT
     ),
     lambda: jnp.ones((), jnp.bool_),
   )
-
-
-def _none() -> None:
-  return None
 
 
 def _words(fp: st.Fingerprint) -> str:

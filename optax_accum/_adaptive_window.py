@@ -206,9 +206,9 @@ class AdaptiveWindow:
       An ``optax.GradientTransformationExtraArgs`` with ``tx``'s ``init`` and state.
 
     Raises:
-      ValueError: a bad ``reference_weight`` or ``rule``; at ``update``, a state with no or
-        several ``accumulate`` states.
-      TypeError: at ``update``, an ``accumulate`` state whose window policy is not an
+      ValueError: a bad ``reference_weight`` or ``rule``; at ``init`` or ``update``, a state
+        with no or several ``accumulate`` states.
+      TypeError: at ``init`` or ``update``, an ``accumulate`` state whose window policy is not an
         adaptive window.
 
     Examples:
@@ -247,20 +247,37 @@ class AdaptiveWindow:
       # The token budget's rule, 1.0 * sqrt(weight / ref), at the realized weight.
       return _token_budget.sqrt_scaled_schedule(1.0, lambda w: w, ref)(weight)
 
-    def update_fn(updates, state, params=None, **extra_args):
-      updates, state = tx.update(updates, state, params, **extra_args)
-      acc = find_state(state)
+    def window_state(state):
+      """tx's accumulate state; raises unless tx holds one accumulate with an adaptive window."""
+      try:
+        acc = find_state(state)
+      except ValueError as e:
+        raise ValueError(
+          "scale_learning_rate(tx) scales by the window weight of the accumulate inside tx: "
+          "pass optax_accum.accumulate(inner, every_k=this adaptive_window), not the inner "
+          f"optimizer alone ({e})"
+        ) from e
       if not isinstance(acc.policy, AdaptiveWindowState):
         raise TypeError(
           "scale_learning_rate scales by the window weight of an adaptive window, but the "
           f"accumulate in tx has the window policy state {type(acc.policy).__name__}. Wrap "
           "the transformation whose accumulate has every_k=this adaptive_window."
         )
+      return acc
+
+    def init_fn(params):
+      state = tx.init(params)
+      window_state(state)  # refused when made, not at the first update
+      return state
+
+    def update_fn(updates, state, params=None, **extra_args):
+      updates, state = tx.update(updates, state, params, **extra_args)
+      acc = window_state(state)
       weight = acc.policy.tokens.window_weight.approx()
       scale = jnp.where(acc.updated, factor(weight), jnp.ones((), weight.dtype))
       return jax.tree.map(lambda u: u * scale.astype(u.dtype), updates), state
 
-    return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def adaptive_window(

@@ -257,7 +257,12 @@ def test_scale_learning_rate_keeps_dtypes_and_names_its_mistakes():
     policy.scale_learning_rate(tx, reference_weight=0)
   other = policy.scale_learning_rate(optax_accum.accumulate(optax.sgd(1.0), 4))
   with pytest.raises(TypeError, match=r"window policy state EmptyState\. Wrap"):
-    other.update({"w": jnp.ones(2)}, other.init(PARAMS), PARAMS)
+    other.init(PARAMS)  # refused when the state is made, before any update
+  with pytest.raises(TypeError, match=r"window policy state EmptyState\. Wrap"):
+    other.update({"w": jnp.ones(2)}, optax_accum.accumulate(optax.sgd(1.0), 4).init(PARAMS), PARAMS)
+  bare = policy.scale_learning_rate(optax.adam(1e-3))  # the inner optimizer without accumulate
+  with pytest.raises(ValueError, match=r"scale_learning_rate\(tx\) .* not the inner optimizer"):
+    bare.init(PARAMS)
 
 
 # ----------------------------------------------------------------------------- shard_map

@@ -433,7 +433,14 @@ def _leaf_add(rule: str, a: jax.Array, g: Any, w: jax.Array, first: jax.Array) -
     return jnp.where(take, g, a)
   if rule == "grad_amax_history":
     g = jnp.where(_newest(g), w.astype(a.dtype) * g, g)
-  return jnp.where(take, jnp.where(first, g, jnp.maximum(a, g)), a)
+  return jnp.where(take, jnp.where(first, g, _max_keeping_nonfinite(a, g)), a)
+
+
+def _max_keeping_nonfinite(a: jax.Array, g: jax.Array) -> jax.Array:
+  """``max(a, g)`` elementwise, non-finite wherever either is (``a + g``: NaN or an Inf), so that
+  the boundary's finite check sees it; nothing here trusts ``max`` to carry a NaN (-Inf would not
+  survive a max at all)."""
+  return jnp.where(jnp.isfinite(a) & jnp.isfinite(g), jnp.maximum(a, g), a + g)
 
 
 def _newest(x: jax.Array) -> jax.Array:
@@ -470,6 +477,8 @@ def reduce_devices(rules, grads, rest, has, index, psum, pmax):
   leaves, treedef = jax.tree.flatten(grads)
   low = lambda x: jnp.where(_expand(has, x), x, jnp.asarray(jnp.finfo(x.dtype).min, x.dtype))
   maxed = {i: low(x) for i, (r, x) in enumerate(zip(rules, leaves, strict=True)) if r in MAX_LIKE}
+  # A pmax need not carry a NaN: the max leaves' non-finite elements are counted and summed.
+  bad = {i: _nonfinite_count(leaves[i], has) for i in maxed}
   # The device index rides in the max leaves' all-reduce as a float (exact below 2**24).
   dtype = next((leaves[i].dtype for i in maxed), jnp.float32)
   mine = jnp.where(has, index, -1).astype(dtype) if "last" in rules else None
@@ -479,9 +488,17 @@ def reduce_devices(rules, grads, rest, has, index, psum, pmax):
     if r == "last":
       x = leaves[i]
       summed[i] = jnp.where(_expand(mine == top, x), x, jnp.zeros((), x.dtype))
-  summed, rest = psum((summed, rest))
+  summed, rest, bad = psum((summed, rest, bad))
+  maxed = {i: jnp.where(bad[i] > 0, jnp.asarray(jnp.nan, x.dtype), x) for i, x in maxed.items()}
   out = [maxed[i] if i in maxed else summed[i] for i in range(len(leaves))]
   return jax.tree.unflatten(treedef, out), rest
+
+
+def _nonfinite_count(x: jax.Array, has: jax.Array) -> jax.Array:
+  """How many elements of ``x`` are NaN or Inf where ``has`` (per device, or per lane: ``has``'s
+  axes lead ``x``'s), float32 with ``has``'s shape."""
+  bad = _expand(has, x) & ~jnp.isfinite(x)
+  return jnp.sum(bad, axis=tuple(range(jnp.ndim(has), jnp.ndim(x)))).astype(jnp.float32)
 
 
 def _expand(mask: jax.Array, x: jax.Array) -> jax.Array:

@@ -112,10 +112,13 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
     fast = fast & (safe.astype(x.dtype) != 0)
 
   def exact(_):
-    # Per leaf, in its dtype: |g_i| / |d| <= max |g| / |d| survives rounding
-    # and max propagates NaN, so the mean is finite iff each ratio is. The norm
-    # is rescaled by max |g| so that its sum of squares cannot overflow.
-    finite = jnp.array(True)
+    # Finiteness from `isfinite` reduced with `all`, never from a max: XLA:CPU's large
+    # reduce-max drops NaN (jaxlib 0.10: max(|x|) of a 4,096-element leaf holding a NaN is
+    # finite), and other backends' reductions have done the same. With every element finite,
+    # max |g| is exact and |g_i| / |d| <= max |g| / |d| survives rounding, so the mean is
+    # finite iff each leaf's ratio is. The norm is rescaled by max |g| so that its sum of
+    # squares cannot overflow.
+    finite = all_finite(leaves)
     bigs = []
     for x in leaves:
       big = jnp.max(jnp.abs(x))
@@ -127,7 +130,8 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
     inv = jnp.ones((), dtype) / jnp.where(finite & (big > 0), big, jnp.ones((), dtype))
     scaled = jax.tree.map(lambda x: x * inv.astype(x.dtype), g_sum)
     norm = ratio * jnp.sqrt(optax.tree.norm(scaled, squared=True).astype(dtype))
-    not_finite = jnp.where(jnp.isnan(sq) | jnp.isnan(big), jnp.nan, jnp.inf).astype(dtype)
+    # A sum of squares is NaN iff an element is (IEEE addition propagates it), else +Inf.
+    not_finite = jnp.where(jnp.isnan(sq), jnp.nan, jnp.inf).astype(dtype)
     return jnp.where(finite, norm, not_finite), finite
 
   # The constant True is built from `bound` so that it has the same device variance

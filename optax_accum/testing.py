@@ -453,13 +453,17 @@ def _difference(x: PyTree, ref: PyTree, allowance: PyTree = None) -> jax.Array:
   allows = jax.tree.leaves(allowance) if allowance is not None else [None] * len(rs)
   zero = jnp.zeros((), jnp.float32)
   max_abs, scale, beyond = zero, zero, zero
+  finite = jnp.ones((), jnp.bool_)
   for a, r, allow in zip(xs, rs, allows, strict=True):
     diff = jnp.abs(_wide(a) - _wide(r)).astype(jnp.float32)
+    # A NaN difference is counted, not left to max (XLA:CPU's large reduce-max drops NaN).
+    finite = finite & jnp.all(jnp.isfinite(diff))
     max_abs = jnp.maximum(max_abs, jnp.max(diff, initial=0.0))
     scale = jnp.maximum(scale, jnp.max(jnp.abs(_wide(r)).astype(jnp.float32), initial=0.0))
     over = diff if allow is None else diff - _wide(allow).astype(jnp.float32)
     beyond = jnp.maximum(beyond, jnp.max(over, initial=0.0))
-  return jnp.stack([max_abs, scale, beyond])
+  out = jnp.stack([max_abs, scale, beyond])
+  return jnp.where(finite, out, out.at[jnp.array([0, 2])].set(jnp.nan))
 
 
 def _as_difference(stats: np.ndarray, allowance: bool = False) -> Difference:

@@ -1,5 +1,6 @@
 """Tests for optax_accum.testing: the pre-flight check, its verdict and weights fit, HLO counts."""
 
+import math
 import warnings
 
 import jax
@@ -330,6 +331,16 @@ def test_verdict_names_an_update_count_that_is_not_one():
   assert report.verdict() == (
     "FAIL: accumulate applied 0 updates in one window of 2 microbatches (1 expected)"
   )
+
+
+@pytest.mark.parametrize("n", [7, 65536])
+def test_difference_of_a_nan_is_not_ok(n):
+  """Issue 46: a NaN difference fails the check at any leaf size (XLA:CPU's large reduce-max
+  drops NaN, so max alone would report the finite rest)."""
+  ref = jnp.ones(n)
+  stats = testing._difference({"a": ref.at[n // 2].set(jnp.nan)}, {"a": ref})
+  d = testing._as_difference(np.asarray(stats))
+  assert math.isnan(d.max_abs) and not d.ok(rtol=1.0, atol=1.0)
 
 
 @pytest.mark.slow  # CI's full run; the fast suite's 5 minutes

@@ -141,14 +141,15 @@ def _true_like(flag: Any) -> Any:
 
 
 def _zero_grads(s: AccumulationState, params: PyTree) -> PyTree:
-  """Zero gradients for a flush: like the params where they match the window's tree, else
-  (``optax.lookahead``'s params hold a fast and a slow copy) like the window's sums."""
-  window = s.window.grad_sum
-  if isinstance(window, optax.EmptyState) or jax.tree.structure(params) == jax.tree.structure(
-    window
-  ):
-    return optax.tree.zeros_like(params)
-  return jax.tree.map(jnp.zeros_like, window)
+  """Zero gradients for a flush, shaped like what ``tx.update`` takes: like the params (through
+  ``optax.masked`` and ``multi_transform`` too, whose windows hold ``MaskedNode`` leaves), like
+  the fast params of ``optax.lookahead``'s ``LookaheadParams``, or, without params, like the
+  window's sums."""
+  if isinstance(params, optax.LookaheadParams):
+    params = params.fast
+  if params is None:
+    return jax.tree.map(jnp.zeros_like, s.window.grad_sum)
+  return optax.tree.zeros_like(params)
 
 
 def _check_belongs(tx: optax.GradientTransformation, state: PyTree, params: PyTree) -> None:

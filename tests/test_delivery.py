@@ -60,6 +60,30 @@ def test_weights_through_chain_masked_and_multi_transform_arrive():
     assert float(params["w"]) == (1 * 1 + 3 * 3) / 4  # 2.5, not the mean of means 2
 
 
+@pytest.mark.parametrize("wrap", ["masked", "multi_transform"])
+def test_flush_through_masked_and_multi_transform_returns_updates_like_the_params(wrap):
+  """Issue 46: flush's zero gradients are shaped like the params, not like the window (whose
+  masked-out leaves are ``MaskedNode``), so ``optax.apply_updates`` takes flush's updates."""
+  acc = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
+  if wrap == "masked":
+    tx = optax.masked(acc, {"w": True, "b": False})
+  else:
+    tx = optax.multi_transform({"a": acc, "f": optax.set_to_zero()}, {"w": "a", "b": "f"})
+  params = {"w": jnp.zeros(3), "b": jnp.ones(2)}
+  state = tx.init(params)
+  for y, n in ((1.0, 1), (3.0, 3)):  # two microbatches of a 4-window, weights 1 and 3
+    grads = {"w": jnp.full(3, -y), "b": jnp.full(2, 5.0)}
+    u, state = tx.update(grads, state, params, weight=n)
+    params = optax.apply_updates(params, u)
+  b = params["b"]  # masked's own rule moved it by the raw gradients; flush's are zero
+  u, state = jax.jit(lambda s, p: optax_accum.flush(tx, s, p))(state, params)
+  assert jax.tree.structure(u) == jax.tree.structure(params)
+  params = optax.apply_updates(params, u)
+  np.testing.assert_array_equal(params["w"], np.full(3, (1 * 1 + 3 * 3) / 4))  # 2.5
+  np.testing.assert_array_equal(params["b"], b)
+  assert_state_finite(state)
+
+
 def test_a_transformation_without_accumulate_is_optax_s_business():
   """Nothing to deliver to: update_and_apply is tx.update + apply_updates, as optax has it (a
   Flax TrainState passes weight=1 to any tx)."""

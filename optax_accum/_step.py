@@ -542,13 +542,18 @@ def check_trees(grads: PyTree, acc: PyTree | None, params: PyTree, override: Any
             else "Pass gradients of the same params the state was made for."
           )
         )
-    if acc is None:
-      _numerics.accumulator_dtype(g.dtype, override)  # a non-float gradient raises
+    wanted = _numerics.accumulator_dtype(g.dtype, override)  # a non-float gradient raises
+    # The accumulator's dtype, or (every_k=1 keeps none) the one init makes from the params.
+    if acc is not None:
+      a_dtype = rest[0].dtype
+    elif params is not None:
+      a_dtype = _numerics.accumulator_dtype(rest[-1].dtype, override)
+    else:
       continue
-    a = rest[0]
-    if _numerics.promote_types(a.dtype, _numerics.accumulator_dtype(g.dtype, override)) != a.dtype:
+    if _numerics.promote_types(a_dtype, wanted) != a_dtype:
       raise TypeError(
-        f"Gradient leaf {name} is {g.dtype} but the accumulator is {a.dtype}, which "
-        "cannot hold it. Re-initialize the state from params of the gradients' dtype, or "
-        "set accumulator_dtype."
+        f"Gradient leaf {name} is {g.dtype} but the accumulator is {a_dtype}, which "
+        "cannot hold it (a complex gradient of a real param would lose its imaginary part). "
+        "Re-initialize the state from params of the gradients' dtype, or set "
+        "accumulator_dtype."
       )

@@ -35,12 +35,27 @@ def assert_exact_zeros(tree):
     assert np.all(leaf == 0) and not np.any(np.signbit(leaf.real)), leaf
 
 
+WIDE = 256  # the property test's 256 x 256 leaf: 65,536 elements, XLA's large-leaf code paths
+
+
+def _wide_features(x):
+  """Fixed features of x for the wide leaf: ``x @ P`` and a readout ``q`` (constants)."""
+  rng = np.random.default_rng(7)
+  p = rng.normal(size=(3, WIDE)).astype(x.dtype) / np.sqrt(3)
+  q = rng.normal(size=WIDE).astype(x.dtype) / WIDE
+  return x @ p, q
+
+
 def tokens_loss(params, x, y, mask):
-  """Masked-token linear model: mean over unmasked tokens of ``0.5 * (x @ theta + b - y)**2``.
+  """Masked-token linear model: mean over unmasked tokens of ``0.5 * (pred - y)**2`` with
+  ``pred = x @ theta + b`` (+ ``((x @ P) @ wide) @ q`` when params has a ``wide`` leaf).
 
   Shapes: x [N, T, 3], y and mask [N, T]. M2 is the case T = 1 with every token valid.
   """
   pred = x @ params["theta"] + params["b"]
+  if "wide" in params:
+    features, q = _wide_features(x)
+    pred = pred + (features @ params["wide"]) @ q
   per_token = 0.5 * (pred - y) ** 2
   return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.sum(mask)
 
@@ -110,13 +125,15 @@ def test_one_window_equals_one_full_batch_step(data, opt, x64):
     rng = np.random.RandomState(seed)
     x = rng.normal(size=(N, T, 3)).astype(dtype)
     y = rng.normal(size=(N, T)).astype(dtype)
-    params = m2_params(dtype)
+    params = {**m2_params(dtype), "wide": jnp.asarray(np.eye(WIDE, dtype=dtype) * 0.1)}
     masks = np.stack([mask & (assign == j)[:, None] for j in range(K)])
     accumulated, full_batch = _window_fns(opt, x64)
     u, between, state = accumulated(params, x, y, masks)
     assert_state_finite(state)  # empty microbatches' NaN gradients (weight 0) leave no trace
     ref_u, ref_inner = full_batch(params, x, y, mask)
-    rtol = 1e-10 if x64 else 2e-5
+    # float32: Adam's first step g / (|g| + eps) carries the summation-order rounding of the
+    # wide leaf's smallest gradient elements into the update at up to ~4e-5 relative.
+    rtol = 1e-10 if x64 else 1e-4
     chex.assert_trees_all_close(u, ref_u, rtol=rtol, atol=rtol * 1e-2)
     chex.assert_trees_all_close(state.inner_state, ref_inner, rtol=rtol, atol=rtol * 1e-3)
     chex.assert_trees_all_equal_dtypes(u, params)
@@ -564,6 +581,17 @@ def test_accumulator_and_update_dtypes(grad_dtype, x64, acc_dtype):
       ref = ref.real
     want = ref.astype(np.dtype(grad_dtype)).astype(ref.dtype)  # rounded; NumPy < 2 can't mix bf16
     np.testing.assert_allclose(np.asarray(u2["w"]).astype(ref.dtype), want, rtol=1e-2)
+
+
+@pytest.mark.parametrize("every_k", [1, 2])
+def test_complex_gradient_of_real_params_raises_whatever_every_k(every_k):
+  """Issue 46: every_k=1 keeps no accumulator but refuses, like every_k=2, a complex gradient
+  that a float32 param's update would silently drop the imaginary part of."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=every_k)
+  p = {"w": jnp.zeros(2, jnp.float32)}
+  g = {"w": jnp.asarray([1.0 + 2.0j, 3.0], jnp.complex64)}
+  with pytest.raises(TypeError, match=r"Gradient leaf .*w.* is complex64 .* imaginary part"):
+    jax.jit(tx.update)(g, tx.init(p), p)
 
 
 def test_updates_have_the_dtypes_plain_inner_returns():

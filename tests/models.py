@@ -1,7 +1,10 @@
 """Small deterministic models and data for the tests (``import models`` from ``tests/``).
 
-Fixed seeds, tiny sizes. Flax is imported only inside the functions that need it. Not
-shipped with the package: a user's own tests bring their own model.
+Fixed seeds, small sizes, but each standard tree (:func:`mlp_params`, :func:`token_params`,
+:func:`nnx_mlp`) has one leaf of 65,536 elements: XLA generates other code for large leaves than
+for 3-element toys (issue 46: XLA:CPU's large reduce-max drops NaN), so every test that uses
+them runs the size-dependent paths. Flax is imported only inside the functions that need it.
+Not shipped with the package: a user's own tests bring their own model.
 """
 
 from __future__ import annotations
@@ -93,12 +96,15 @@ def linear_regression_loss(params: Mapping[str, jax.Array], batch: Mapping[str, 
   return _masked_mean(0.5 * (pred - batch["y"]) ** 2, batch)
 
 
-def mlp_params(sizes: tuple[int, ...] = (3, 16, 1), *, seed: int = 0) -> list[dict[str, jax.Array]]:
+def mlp_params(
+  sizes: tuple[int, ...] = (3, 256, 256, 1), *, seed: int = 0
+) -> list[dict[str, jax.Array]]:
   """Float32 params of a tanh MLP: a list of ``{'w': [m, n], 'b': [n]}`` (LeCun normal init).
 
   Args:
-    sizes: layer widths, input first: ``(3, 16, 1)`` is 3 features, one hidden
-      layer of 16, one output (:func:`mlp_loss` reads output 0).
+    sizes: layer widths, input first: ``(3, 256, 256, 1)`` is 3 features, two hidden
+      layers of 256 (a ``[256, 256]`` leaf: 65,536 elements), one output (:func:`mlp_loss`
+      reads output 0).
     seed: NumPy seed.
 
   Returns:
@@ -189,8 +195,9 @@ def token_batch(
   }
 
 
-def token_params(vocab: int = 11, dim: int = 8, *, seed: int = 0) -> dict[str, jax.Array]:
-  """A bigram model's params: ``{'embed': [vocab, dim], 'out': [dim, vocab]}``, float32.
+def token_params(vocab: int = 11, dim: int = 256, *, seed: int = 0) -> dict[str, jax.Array]:
+  """A bigram model's params, float32: ``{'embed': [vocab, dim], 'mix': [dim, dim],
+  'out': [dim, vocab]}`` (``mix`` is 65,536 elements at the default ``dim``).
 
   Args:
     vocab: vocabulary size, as in :func:`token_batch`.
@@ -198,17 +205,35 @@ def token_params(vocab: int = 11, dim: int = 8, *, seed: int = 0) -> dict[str, j
     seed: NumPy seed.
 
   Returns:
-    ``embed`` standard normal, ``out`` normal / ``sqrt(dim)``.
+    ``embed`` standard normal, ``mix`` and ``out`` normal / ``sqrt(dim)``.
 
   Examples:
-    >>> token_params()['out'].shape
-    (8, 11)
+    >>> token_params()['mix'].size
+    65536
   """
   rng = np.random.default_rng(seed)
   return {
     "embed": jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32),
+    "mix": jnp.asarray(rng.normal(size=(dim, dim)) / np.sqrt(dim), jnp.float32),
     "out": jnp.asarray(rng.normal(size=(dim, vocab)) / np.sqrt(dim), jnp.float32),
   }
+
+
+def token_logits(params: Mapping[str, jax.Array], inputs: jax.Array) -> jax.Array:
+  """The bigram model's next-token logits: ``tanh(embed[inputs] @ mix) @ out``.
+
+  Args:
+    params: :func:`token_params`.
+    inputs: ``int32[N, T]`` token ids.
+
+  Returns:
+    ``float32[N, T, vocab]``.
+
+  Examples:
+    >>> token_logits(token_params(), token_batch()['inputs']).shape
+    (8, 6, 11)
+  """
+  return jnp.tanh(params["embed"][inputs] @ params["mix"]) @ params["out"]
 
 
 def token_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]) -> jax.Array:
@@ -226,27 +251,29 @@ def token_loss(params: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]) 
     >>> float(token_loss(token_params(), token_batch())) > 0
     True
   """
-  logits = params["embed"][batch["inputs"]] @ params["out"]
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  nll = optax.softmax_cross_entropy_with_integer_labels(
+    token_logits(params, batch["inputs"]), batch["targets"]
+  )
   return _masked_mean(nll, batch)
 
 
 def nnx_mlp(
   in_features: int = 3,
-  hidden: int = 16,
+  hidden: int = 256,
   *,
   batch_norm: bool = False,
   dropout_rate: float = 0.0,
   seed: int = 0,
 ) -> Any:
-  """A Flax NNX MLP (Linear, [BatchNorm], tanh, [Dropout], Linear -> 1), needs ``flax``.
+  """A Flax NNX MLP (Linear, [BatchNorm], tanh, [Dropout], Linear, tanh, Linear -> 1), needs
+  ``flax``; its middle ``hidden x hidden`` kernel is 65,536 elements at the default width.
 
   BatchNorm is in train mode (batch statistics), the case accumulation cannot
   reproduce. Use it with :func:`nnx_mlp_loss`.
 
   Args:
     in_features: input width (3 matches :func:`linear_regression_data`).
-    hidden: hidden width.
+    hidden: hidden width (both hidden layers).
     batch_norm: add an ``nnx.BatchNorm`` after the first layer.
     dropout_rate: add an ``nnx.Dropout`` of this rate after the tanh (0: none).
     seed: seed of the ``nnx.Rngs`` (init and dropout).
@@ -269,6 +296,7 @@ def nnx_mlp(
       self.fc1 = nnx.Linear(in_features, hidden, rngs=rngs)
       self.bn = nnx.BatchNorm(hidden, rngs=rngs) if batch_norm else None
       self.drop = nnx.Dropout(dropout_rate, rngs=rngs) if dropout_rate else None
+      self.mid = nnx.Linear(hidden, hidden, rngs=rngs)
       self.fc2 = nnx.Linear(hidden, 1, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -278,7 +306,7 @@ def nnx_mlp(
       h = jnp.tanh(h)
       if self.drop is not None:
         h = self.drop(h)
-      return self.fc2(h)[:, 0]
+      return self.fc2(jnp.tanh(self.mid(h)))[:, 0]
 
   return MLP(nnx.Rngs(seed))
 

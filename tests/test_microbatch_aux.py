@@ -20,7 +20,7 @@ def token_data():
 
 def _metrics_loss(p, b):
   """lm1b-style aux: sum metrics (correct predictions, tokens) and per-example logits."""
-  logits = p["embed"][b["inputs"]] @ p["out"]
+  logits = models.token_logits(p, b["inputs"])
   hit = (jnp.argmax(logits, -1) == b["targets"]) & (b["mask"] > 0)
   aux = {"correct": hit.sum(), "tokens": b["mask"].sum(), "logits": logits}
   return models.token_loss(p, b), aux

@@ -25,7 +25,13 @@ from optax_accum._metrics import metrics
 from optax_accum._microbatch import microbatched_value_and_grad, split_batch
 from optax_accum.pitfalls import PitfallWarning
 
-__all__ = ["check_equivalence", "count_collectives"]
+__all__ = [
+  "Difference",
+  "EquivalenceReport",
+  "Weighting",
+  "check_equivalence",
+  "count_collectives",
+]
 
 PyTree = Any
 
@@ -34,14 +40,6 @@ PyTree = Any
 _RTOL, _ATOL = 1e-5, 1e-6
 # Where the page that explains losses over the whole batch lives (FAIL messages point to it).
 _WHOLE_BATCH_DOCS = "docs/in_step.md, 'Losses over the whole batch'"
-
-
-class _BatchDependentLayerWarning(PitfallWarning):
-  """A layer whose output depends on the other examples in the batch (BatchNorm in train mode).
-
-  Accumulation cannot reproduce one batch: each microbatch is normalized with its own statistics.
-  A :class:`optax_accum.pitfalls.PitfallWarning`, filtered with the others.
-  """
 
 
 class Difference(NamedTuple):
@@ -85,6 +83,11 @@ class Weighting(NamedTuple):
     counts: the count of each microbatch (its rows, or the sum of that leaf).
     residual: ``|g_batch - sum_k c_k g_k / sum_k c_k| / |g_batch|`` (Euclidean norms over all
       parameters): 0 up to rounding when the loss averages over exactly these counts.
+
+  Examples:
+    >>> from optax_accum.testing import Weighting
+    >>> Weighting("['mask']", (4.0, 8.0), 0.0).describe()
+    "unmasked ['mask'] (4, 8)"
   """
 
   name: str
@@ -418,7 +421,7 @@ def _warn_if_batch_dependent(params: Any, model: Any) -> tuple[str, ...]:
       "normalizes each microbatch with its own statistics (and updates running averages "
       "once per microbatch), so gradient accumulation will NOT reproduce one physical batch "
       "for it. Use LayerNorm/GroupNorm/RMSNorm, or accept the difference this check reports.",
-      _BatchDependentLayerWarning,
+      PitfallWarning,
       stacklevel=3,
     )
   return layers
@@ -730,26 +733,3 @@ def check_equivalence(
     ),
     fit_tolerance=tol,
   )
-
-
-def _assert_equivalent(
-  loss_fn: Callable[[Any, PyTree], jax.Array],
-  params: Any,
-  batch: PyTree,
-  inner: optax.GradientTransformation,
-  *,
-  rtol: float = _RTOL,
-  atol: float = _ATOL,
-  **kwargs: Any,
-) -> EquivalenceReport:
-  """The 0.3 spelling of ``check_equivalence(...).assert_passed(rtol=, atol=)``."""
-  report = check_equivalence(loss_fn, params, batch, inner, **kwargs)
-  report.assert_passed(rtol=rtol, atol=atol)
-  return report
-
-
-def __getattr__(name: str) -> Any:
-  """0.3's names, with a ``DeprecationWarning`` naming their replacement (PEP 562)."""
-  from optax_accum import _migration
-
-  return _migration.attribute("optax_accum.testing", name)

@@ -52,12 +52,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-  """``optax_accum.testing`` on first use (PEP 562); 0.3's names with a ``DeprecationWarning``;
-  names removed earlier raise, naming their replacement."""
+  """``optax_accum.testing`` on first use (PEP 562): importing the package stays light."""
   if name == "testing":
     import importlib
 
     return importlib.import_module("optax_accum.testing")
-  from optax_accum import _migration
-
-  return _migration.attribute("optax_accum", name)
+  raise AttributeError(f"module 'optax_accum' has no attribute {name!r}")

@@ -27,7 +27,6 @@ from optax_accum import (
   _every_k,
   _guard,
   _loss_scale,
-  _migration,
   _noise_scale,
   _numerics,
   _pitfalls,
@@ -128,7 +127,6 @@ def accumulate(
   axis_name: str | tuple[str, ...] | None = None,
   accumulator_dtype: Any = None,
   shard_optimizer: bool = False,
-  **deprecated: Any,
 ) -> Accumulation:
   """Accumulates weighted microbatch gradients and runs ``inner`` once per window.
 
@@ -174,10 +172,6 @@ def accumulate(
       inner state per device. The inner optimizer must treat elements independently (adam,
       adamw, sgd, lion; global norms are exact); one that reshapes or couples elements
       (factored adafactor, muon) is refused, naming the operation. docs/scaling.md.
-    **deprecated: the 0.3 keywords (``window_weight``, ``window_weight_of``, ``clip_norm``,
-      ``skip_nonfinite``, ``noise_scale_decay``, ``denominator``, ``apply_empty``, ``reduce``,
-      ``overwrite``): translated to their 0.4 spelling with a ``DeprecationWarning`` naming
-      it; removed in 0.5.
 
   Returns:
     An ``Accumulation``: an ``optax.GradientTransformationExtraArgs`` (its state an
@@ -203,10 +197,9 @@ def accumulate(
   Raises:
     TypeError, ValueError: at construction, naming a bad argument; at trace time for a
       non-scalar, boolean, concrete negative or unrepresentable weight, grads that do not
-      match the state or params, device-varying params under ``axis_name``, and a state of
-      another configuration (its fingerprint's values on eager calls and in
-      ``sharding.check_compatible``; under ``jit``, where they are traced, its sub-states and
-      structure).
+      match the state or params, device-varying params under ``axis_name``, and a state whose
+      sub-states or inner state do not have this configuration's structure (the
+      configuration itself lives in the closure, as optax's: ``sharding.check_compatible``).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -223,10 +216,6 @@ def accumulate(
     Hugging Face, `Fixing gradient accumulation
     <https://huggingface.co/blog/gradient_accumulation>`_ (2024); ``optax.MultiSteps``.
   """
-  if deprecated:
-    inner, every_k, aggregate, observe = _migration.translate(
-      inner, every_k, aggregate, observe, deprecated
-    )
   config = _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
                    accumulator_dtype, shard_optimizer)  # fmt: skip
 
@@ -287,11 +276,6 @@ def _window_policy(every_k: Any) -> Any:
     )
   methods = ("init", "init_window", "add", "closes", "close")
   if all(callable(getattr(every_k, m, None)) for m in methods):
-    if not isinstance(getattr(every_k, "every_k", None), int):
-      raise TypeError(
-        f"the window policy {every_k!r} needs an int attribute every_k (its fixed window "
-        "length, or 0): the state records it as a fingerprint (docs/protocols.md)."
-      )
     if _checks.takes(every_k.add, 3) is False:  # add(window, weight): called without grads
       return AddWithoutGrads(every_k)
     return every_k
@@ -346,7 +330,7 @@ def init(config: _step.Config, params: PyTree) -> AccumulationState:
     for o in (config.policy, *config.observers):
       if isinstance(o, _NOISE_ESTIMATES):
         o.check_aggregation(False)
-  _pitfalls.check_fp8_scale(fp8, agg.denominator is None, config.policy.every_k)
+  _pitfalls.check_fp8_scale(fp8, agg.denominator is None, config.keeps_window)
   fdt = _numerics.scalar_dtype()
   # A fresh buffer per field: donating a state whose leaves share a buffer
   # fails ("Attempt to donate the same buffer twice").
@@ -378,7 +362,6 @@ def init(config: _step.Config, params: PyTree) -> AccumulationState:
     grad_norm=zero_f(),
     has_grad_norm=zero_b(),
     flush_pending=zero_b(),
-    every_k=jnp.asarray(config.policy.every_k, jnp.int32),
     **config.sub_states(params),
     inner_state=config.placement.wrap(
       _pitfalls.check_inner_state(

@@ -87,11 +87,6 @@ class AdaptiveWindow:
   max_microbatches: int | None
 
   @property
-  def every_k(self) -> int:
-    """The state's fingerprint: the microbatch cap, 0 without one."""
-    return self.max_microbatches or 0
-
-  @property
   def _tokens(self) -> TokenBudget:
     """The token budget's exact weight counting (its budget is not used)."""
     return TokenBudget(self.min_weight, None, self.max_microbatches)

@@ -140,32 +140,16 @@ def default_rule(path: tuple) -> str:
 
 SUMMED = frozenset({"mean", "sum"})
 MAX_LIKE = frozenset({"max", "grad_amax_history"})
-_CALLABLE = -1.0  # the fingerprint of a denominator schedule (its values are not stored)
-
-
-class AggregationState(NamedTuple):
-  """The sub-state of a non-default aggregation: its fingerprint, checked on restore.
-
-  Attributes:
-    denominator: float32, the fixed denominator; 0 for the weight sum, -1 for a schedule.
-    rules: int32 ``[num_leaves]``, each leaf's rule as its index in ``RULES``.
-    apply_empty: bool, whether an empty window runs the inner optimizer.
-    overwrite: bool, whether max/last leaves are overwritten instead of optimized.
-  """
-
-  denominator: jax.Array
-  rules: jax.Array
-  apply_empty: jax.Array
-  overwrite: jax.Array
 
 
 class Aggregation(NamedTuple):
   """How a window combines its microbatches; made by :func:`optax_accum.aggregate` (its Args).
 
-  What the microstep calls: :meth:`init` (the sub-state), :meth:`add` (a microbatch into the
-  window), :meth:`all_reduce` (the window over the devices), :meth:`value` and :meth:`usable`
-  (the denominator), :meth:`split` (the boundary's leaf groups) and :meth:`inner_for` (the inner
-  optimizer, masked from overwritten leaves).
+  Configuration only: it keeps no sub-state (the rules live in the closure, optax's way).
+  What the microstep calls: :meth:`add` (a microbatch into the window), :meth:`all_reduce`
+  (the window over the devices), :meth:`value` and :meth:`usable` (the denominator),
+  :meth:`split` (the boundary's leaf groups) and :meth:`inner_for` (the inner optimizer,
+  masked from overwritten leaves).
   """
 
   denominator: float | Callable[[jax.Array], Any] | jax.Array | None
@@ -190,7 +174,7 @@ class Aggregation(NamedTuple):
     return of_prefix(prefix, tree)
 
   def active(self, tree: PyTree) -> bool:
-    """Whether the state carries an :class:`AggregationState` (anything but the default)."""
+    """Whether anything but the default weighted mean of every leaf is configured."""
     default = self.denominator is None and not self.apply_empty and self.overwrite
     return not default or any(r != "mean" for r in self.rules(tree))
 
@@ -249,40 +233,10 @@ class Aggregation(NamedTuple):
       return jnp.ones((), jnp.bool_)
     return (d > 0) & jnp.isfinite(d)
 
-  def rule_code(self, rule: str) -> int:
-    """A rule's code in :class:`AggregationState`'s ``rules``."""
-    return RULES.index(rule)
-
   def loss_denominator(self, value_weight: jax.Array, d: jax.Array) -> jax.Array:
     """What the window's loss (``value``) is divided by: the weight of the microbatches that
     passed one, or the fixed denominator."""
     return value_weight if self.denominator is None else d
-
-  def state_fingerprint(self, sub: Any) -> tuple | None:
-    """A restored sub-state's fingerprint, comparable with :meth:`fingerprint`."""
-    return fingerprint(sub)
-
-  def fingerprint(self, tree: PyTree) -> tuple | None:
-    """What :class:`AggregationState` holds for ``tree``, as Python values (None: default)."""
-    if not self.active(tree):
-      return None
-    d = self.denominator
-    fixed = 0.0 if d is None else _CALLABLE if callable(d) else d
-    fixed = float(np.asarray(fixed, _numerics.scalar_dtype()))  # as the state stores it
-    return (fixed, self.rules(tree), self.apply_empty, self.overwrite)
-
-  def init(self, tree: PyTree) -> AggregationState | optax.EmptyState:
-    """The sub-state ``init`` writes (``EmptyState`` for the default)."""
-    fp = self.fingerprint(tree)
-    if fp is None:
-      return optax.EmptyState()
-    fixed, rules, apply_empty, overwrite = fp
-    return AggregationState(
-      denominator=jnp.asarray(fixed, _numerics.scalar_dtype()),
-      rules=jnp.asarray([RULES.index(r) for r in rules], jnp.int32).reshape(len(rules)),
-      apply_empty=jnp.asarray(apply_empty),
-      overwrite=jnp.asarray(overwrite),
-    )
 
 
 def aggregate(
@@ -409,15 +363,6 @@ def check_in_step(aggregation: Any, noise_scale: bool, weight_fn: Any) -> Aggreg
       "would differ from accumulate's default weight 1 (docs/aggregation.md)."
     )
   return aggregation
-
-
-def fingerprint(sub: Any) -> tuple | None:
-  """The comparable values of an :class:`AggregationState` (None for ``EmptyState``)."""
-  if not isinstance(sub, AggregationState):
-    return None
-  rules = tuple(RULES[int(c)] for c in np.asarray(sub.rules).reshape(-1))
-  flags = (bool(np.asarray(sub.apply_empty)), bool(np.asarray(sub.overwrite)))
-  return (float(np.asarray(sub.denominator)), rules, *flags)
 
 
 # ------------------------------------------------------------------ the window's arithmetic

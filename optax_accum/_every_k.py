@@ -34,11 +34,6 @@ class CountWindow:
   k: int | Callable[[jax.Array], Any]
 
   @property
-  def every_k(self) -> int:
-    """The fixed window length (the state's fingerprint), 0 for a schedule."""
-    return 0 if callable(self.k) else self.k
-
-  @property
   def always_closes(self) -> bool:
     """Every microbatch closes its window (``every_k=1``): no window is ever kept open."""
     return self.k == 1

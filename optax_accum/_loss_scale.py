@@ -26,20 +26,18 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 class LossScaleState(NamedTuple):
   """The loss scale's sub-state of :class:`optax_accum.AccumulationState`.
 
-  ``scale`` (float32) multiplies the open window's loss; ``growth_streak`` (int32) counts applied
-  windows since it changed; ``dynamic`` (bool) fingerprints the policy kind for restores.
+  ``scale`` (float32) multiplies the open window's loss (the open window's sums depend on it:
+  it is data, the policy is configuration); ``growth_streak`` (int32) counts applied windows
+  since it changed.
   """
 
   scale: jax.Array
   growth_streak: jax.Array
-  dynamic: jax.Array
 
 
 class _Policy:
   """What the microstep calls on a loss-scale policy: its sub-state, the scale in force, and the
   sub-state after a window (``adjust`` unless the window was empty or a guard skipped it)."""
-
-  kind: str  # "static" or "dynamic": the sub-state's fingerprint
 
   def initial_scale(self) -> float:
     """The scale of the first window (a Python float); each policy's own."""
@@ -56,7 +54,6 @@ class _Policy:
     return LossScaleState(
       scale=jnp.asarray(self.initial_scale(), jnp.float32),
       growth_streak=jnp.zeros((), jnp.int32),
-      dynamic=jnp.asarray(self.kind == "dynamic"),
     )
 
   def scale(self, state: LossScaleState) -> jax.Array:
@@ -88,7 +85,6 @@ class StaticLossScale(_Policy):
   """
 
   value: float
-  kind = "static"
 
   def __post_init__(self):
     value = _checks.real_number(self.value, "static_loss_scale: value", "the loss scale")
@@ -137,7 +133,6 @@ class DynamicLossScale(_Policy):
   growth_interval: int = 2000
   min_scale: float = 1.0
   max_scale: float = 2.0**24
-  kind = "dynamic"
 
   def __post_init__(self):
     owner = "dynamic_loss_scale"
@@ -207,8 +202,6 @@ LossScale = StaticLossScale | DynamicLossScale
 
 class _NoLossScale:
   """No loss scale: no sub-state, a scale of 1, nothing to adjust."""
-
-  kind = None
 
   def init(self) -> optax.EmptyState:
     return optax.EmptyState()

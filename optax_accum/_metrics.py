@@ -2,8 +2,6 @@
 
 Read from any optimizer state holding one ``accumulate`` state; works under ``jit``, never warns.
 The core's counters, and what each feature's sub-state shows through its ``metrics()`` method.
-(``get_loss_scale`` is 0.3's spelling of ``metrics(opt_state).loss_scale``, kept for one
-release.)
 """
 
 from __future__ import annotations
@@ -165,15 +163,3 @@ def _loss_scale_of(s) -> jax.Array:
   if isinstance(s.loss_scale, optax.EmptyState):
     return jnp.ones((), jnp.float32)
   return s.loss_scale.scale
-
-
-def get_loss_scale(opt_state: PyTree) -> jax.Array:
-  """0.3's ``get_loss_scale``: ``metrics(opt_state).loss_scale`` (float32 0-d; 1.0 without).
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, optax_accum
-    >>> tx = optax_accum.accumulate(optax.sgd(1e-2), every_k=2)
-    >>> float(get_loss_scale(tx.init({'w': jnp.zeros(2)})))
-    1.0
-  """
-  return _loss_scale_of(find_state(opt_state))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _aggregation, _checks, _loss_scale, _migration, _noise_scale, _numerics
+from optax_accum import _aggregation, _checks, _loss_scale, _noise_scale, _numerics
 from optax_accum import _microbatch_mesh as _mesh
 from optax_accum._microbatch_mesh import split_batch
 
@@ -81,7 +81,6 @@ def microbatched_value_and_grad(
   accumulator_dtype: Any = None,
   noise_scale: bool = False,
   aggregate: _aggregation.Aggregation | None = None,
-  **deprecated: Any,
 ) -> Callable[..., tuple[Any, PyTree]]:
   """``jax.value_and_grad(loss_fn)`` over a batch, computed one microbatch at a time.
 
@@ -121,8 +120,6 @@ def microbatched_value_and_grad(
       finite and > 0; ``1``: the sum; global under ``axis_name``; needs ``weight_fn``) and
       per-leaf rules (a max, last or FP8 leaf comes back as its reduced value, the FP8 meta
       one physical batch would give). None: the weighted mean (and Flax's FP8 rule).
-    **deprecated: 0.3's ``denominator=`` and ``reduce=``: ``aggregate=aggregate(...)`` with a
-      ``DeprecationWarning``; removed in 0.5.
 
   Returns:
     ``f -> (value, grads)`` in ``jax.value_and_grad(loss_fn, has_aux=has_aux or
@@ -146,8 +143,6 @@ def microbatched_value_and_grad(
     (2.5, -2.0)
   """
   _check_modes(aux_mode, noise_scale)
-  if deprecated:
-    aggregate = _migration.translate_in_step(aggregate, deprecated)
   aggregation = _aggregation.check_in_step(aggregate, noise_scale, weight_fn)
   cfg = _Config(
     loss_fn=loss_fn,

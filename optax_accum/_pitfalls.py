@@ -211,7 +211,7 @@ def _name(state: Any) -> str:
   return f"{t.__module__.split('.')[0]}.{t.__name__}"
 
 
-def check_fp8_scale(fp8: bool, weighted_mean: bool, every_k: Any) -> None:
+def check_fp8_scale(fp8: bool, weighted_mean: bool, keeps_window: bool) -> None:
   """Warns when Flax FP8 meta meets windows of mean losses (``accumulate`` without a denominator).
 
   The backward pass quantizes each microbatch's output gradient with the window's FP8 scale,
@@ -224,11 +224,11 @@ def check_fp8_scale(fp8: bool, weighted_mean: bool, every_k: Any) -> None:
     >>> import warnings, optax_accum
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
-    ...   check_fp8_scale(True, True, 4)
+    ...   check_fp8_scale(True, True, keeps_window=True)
     >>> [w.category.__name__ for w in caught]
     ['PitfallWarning']
   """
-  if fp8 and weighted_mean and every_k != 1:
+  if fp8 and weighted_mean and keeps_window:
     _warn(
       "accumulate got Flax FP8 meta (the _overwrite_with_gradient collection) with windows "
       "of mean losses: each microbatch's output gradient would be quantized with the whole "

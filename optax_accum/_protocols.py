@@ -85,13 +85,7 @@ class WindowPolicy(Protocol):
   An ``int`` ``every_k`` and a schedule of ``num_updates`` are policies too; so is
   :func:`optax_accum.token_budget`. Every method is called at trace time; arrays are 0-d.
 
-  Attributes:
-    every_k: the fixed window length (an int >= 1) the state records as its fingerprint, or
-      0 when windows are not a fixed count.
   """
-
-  @property
-  def every_k(self) -> int: ...  # read-only: a class attribute, a field or a property
 
   def init(self) -> PyTree:
     """The policy's sub-state (``optax.EmptyState()`` if it keeps none)."""
@@ -128,10 +122,6 @@ class AddWithoutGrads:
   """
 
   policy: Any
-
-  @property
-  def every_k(self) -> int:
-    return self.policy.every_k
 
   def init(self) -> PyTree:
     return self.policy.init()

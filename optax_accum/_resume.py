@@ -11,20 +11,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_accum import _aggregation, _migration
 from optax_accum._sharding import on_mesh, state_shardings
 from optax_accum._state import (
-  Fingerprint,
+  FEATURE_FIELDS,
   _is_state,
   find_states,
-  fingerprint_of,
-  fingerprint_problems,
   map_per_device,
   map_states,
-  raise_on_problems,
 )
 
 PyTree = Any
@@ -81,54 +76,6 @@ def _leaves_by_path(tree: PyTree) -> dict[str, Any]:
   return out
 
 
-def _fingerprints(tx: optax.GradientTransformation, params: PyTree) -> list[Fingerprint]:
-  """The fingerprint of each state ``tx.init`` writes, computed without materializing it."""
-  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
-
-  def fields(p):
-    return [(s.every_k, s.loss_scale, s.aggregation) for s in find_states(tx.init(p))]
-
-  def made():  # zeros of the params' shapes, never materialized outside the program
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    return on_mesh(fields, zeros, like=params)
-
-  found = [_fingerprint(*f) for f in jax.jit(made)()]
-  return [fp for fp in found if fp is not None]  # all of them: jit's outputs are concrete
-
-
-def _fingerprint(every_k: Any, loss_scale: Any, aggregation: Any) -> Fingerprint | None:
-  """A state's fingerprint, its aggregation rules included (None while traced)."""
-  fp = fingerprint_of(every_k, loss_scale)
-  return None if fp is None else fp._replace(aggregation=_aggregation.fingerprint(aggregation))
-
-
-# Leaves only the previous release's flat state had (optax_accum 0.2).
-_OLD_LAYOUT = ("loss_scale_kind", "window_weight_parts", "noise_sq_sum")
-
-
-def _check_layout(got: dict[str, Any]) -> None:
-  """Raises for a checkpoint of an earlier release's state, naming the step to take."""
-  if _migration.is_03(got):
-    raise ValueError(
-      "The restored optimizer state was written by optax_accum 0.3 (its AccumulationState "
-      "has no flush_pending; a token budget's and a noise scale's sub-states were named "
-      "token_budget and noise_scale, now policy and observers). Restore it without a target "
-      "(e.g. orbax's checkpointer.restore(path) gives a tree of arrays), then convert it: "
-      "state = optax_accum.sharding.migrate_state(tx, params, restored)."
-    )
-  old = sorted(p for p in got if p.rsplit(".", 1)[-1] in _OLD_LAYOUT)
-  if old:
-    raise ValueError(
-      f"The restored optimizer state was written by optax_accum 0.2 (its flat "
-      f"AccumulationState has {old[0]}). Since 0.3 the state is nested: the open window in "
-      "state.window (acc is window.grad_sum), and each optional feature in its own sub-state "
-      "(loss_scale, token_budget, noise_scale; optax.EmptyState() when off), so the leaves "
-      "do not map one to one. Finish the window with optax_accum 0.2 (optax_accum.flush) "
-      "and save the params, or resume with 0.2; then start a fresh state with "
-      "tx.init(params)."
-    )
-
-
 def _accumulates(paths: Any) -> bool:
   return any(p.rsplit(".", 1)[-1] == "mini_step" for p in paths)
 
@@ -150,18 +97,15 @@ def _check_accumulation(want: dict[str, Any], got: dict[str, Any]) -> None:
 
 
 def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
-  """``restored`` (another configuration, without ``accumulate``, or 0.3's) as a state of ``tx``.
+  """``restored`` (another configuration, or without ``accumulate``) as a state of ``tx``.
 
-  A state of another ``accumulate`` configuration (another ``every_k``, a token budget, a
-  loss scale, guards or observers added or removed: a larger effective batch mid-run) moves to
-  ``tx``'s once its window is empty (after a boundary or a flush): the inner optimizer's state
-  (Adam's moments and count) and the counters are kept, and so is every feature sub-state of
-  the same structure (the loss scale, a spike rule's history); the others start fresh.
-
-  A 0.3 checkpoint (restored without a target, as a tree of arrays) is converted leaf by leaf:
-  the token budget's and noise scale's sub-states move to ``policy`` and ``observers``, and
-  the leaves 0.4 added take their fresh values (the open window, counters and inner state are
-  kept, so a run resumes mid-window). A run started without accumulation continues with it:
+  A state of another ``accumulate`` configuration whose sub-states differ (a token budget, a
+  loss scale, guards or observers added or removed) moves to ``tx``'s once its window is
+  empty (after a boundary or a flush): the inner optimizer's state (Adam's moments and count)
+  and the counters are kept, and so is every feature sub-state of the same structure (the loss
+  scale, a spike rule's history); the others start fresh. Another ``every_k`` needs no move:
+  the window length lives in ``tx`` (optax's way), so the state continues as it is, its open
+  window counted toward the new length. A run started without accumulation continues with it:
   each ``accumulate`` state of
   ``tx.init(params)`` takes, as its ``inner_state``, the restored state in its place (an empty
   window, counters from 0; the inner optimizer's own count, its schedules and Adam's bias
@@ -178,8 +122,7 @@ def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: Py
 
   Raises:
     ValueError: if ``restored`` does not have the layout ``tx`` less (or plus) ``accumulate``
-      gives, or holds an open window (flush it, or :func:`optax_accum.discard` it, first);
-      a 0.3 state that lacks a leaf ``tx`` needs.
+      gives, or holds an open window (flush it, or :func:`optax_accum.discard` it, first).
 
   Examples:
     >>> import optax, optax_accum
@@ -191,12 +134,11 @@ def migrate_state(tx: optax.GradientTransformation, params: PyTree, restored: Py
     (0, 0)
     >>> optax_accum.sharding.migrate_state(optax.adam(1e-3), params, state)[0].count
     Array(0, dtype=int32)
-    >>> larger = optax_accum.accumulate(optax.adam(1e-3), every_k=8)  # a larger batch
-    >>> int(optax_accum.sharding.migrate_state(larger, params, state).every_k)
-    8
+    >>> budget = optax_accum.accumulate(optax.adam(1e-3), optax_accum.token_budget(4096))
+    >>> moved = optax_accum.sharding.migrate_state(budget, params, state)  # windows in tokens
+    >>> type(moved.policy).__name__, int(moved.num_updates)
+    ('TokenBudgetState', 0)
   """
-  if _migration.is_03(_leaves_by_path(restored)):
-    return check_compatible(tx, params, _from_03(tx, params, restored))
   restored_states = find_states(restored)
   if not find_states(jax.eval_shape(tx.init, params)):
     if held := _open_window(restored_states):
@@ -229,17 +171,19 @@ def check_compatible(
   """Checks that a restored optimizer state belongs to ``tx`` before training on.
 
   Compares ``state`` with an abstract ``tx.init(params)``: the same leaves (by path), shapes
-  and dtypes, and in every ``accumulate`` state the same ``every_k`` and loss-scale kind
-  (and static value). Resuming with another window length, loss scale or accumulator dtype
-  would silently mix windows, divide by the wrong scale or round the sum differently.
+  and dtypes, so each feature's sub-state (a loss scale, a token budget, guards, observers),
+  the accumulator dtype and the inner optimizer's state must be ``tx``'s. The configuration
+  itself lives in ``tx``'s closure, as optax's transformations keep it, and is not stored:
+  a state made with another ``every_k``, loss-scale policy or aggregation rule but the same
+  leaves is accepted and continues under ``tx``'s (the open window's sums are data: the loss
+  scale they were scaled by is in the state, so they are unscaled correctly).
 
   Orbax casts leaves to the restore target's dtypes, so check the checkpoint's metadata
-  before restoring, then the restored values (for the fingerprint)::
+  before restoring::
 
     meta = checkpointer.metadata(path).item_metadata.tree
     optax_accum.sharding.check_compatible(tx, params, meta)
     state = checkpointer.restore(path, optax_accum.sharding.abstract_state(tx, params))
-    optax_accum.sharding.check_compatible(tx, params, state)
 
   Args:
     tx: the transformation to resume with.
@@ -252,26 +196,26 @@ def check_compatible(
     ``state``, unchanged.
 
   Raises:
-    ValueError: listing every differing leaf, or the fingerprints (``every_k``,
-      loss scale), with what to do; for a checkpoint of optax_accum 0.2's flat
-      state, naming the change to the nested one.
+    ValueError: listing every differing leaf, with what to do; for a state written with
+      accumulation restored without it (or the reverse), naming ``migrate_state``.
 
   Examples:
     >>> import optax, optax_accum
     >>> params = {'w': jnp.zeros(3)}
     >>> saved = optax_accum.accumulate(optax.sgd(1.0), every_k=4).init(params)
-    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=8)
-    >>> optax_accum.sharding.check_compatible(tx, params, saved)
+    >>> scaled = optax_accum.accumulate(
+    ...     optax.sgd(1.0), every_k=4, loss_scale=optax_accum.dynamic_loss_scale())
+    >>> optax_accum.sharding.check_compatible(scaled, params, saved)
     Traceback (most recent call last):
     ...
-    ValueError: The restored optimizer state was made by another accumulate configuration:
-    the state has every_k=4, the transformation every_k=8. ...
+    ValueError: The restored optimizer state does not match this transformation:
+      loss_scale.growth_streak: missing from the restored state
+    ...
   """
   expected = on_mesh(tx.init, params, shapes=True)
   if stacked:
     expected = _stacked_shapes(expected)
   want, got = _leaves_by_path(expected), _leaves_by_path(state)
-  _check_layout(got)
   _check_accumulation(want, got)
   problems, one_axis_more = [], False
   for path in sorted(want.keys() - got.keys()):
@@ -306,17 +250,6 @@ def check_compatible(
       "optimizer, accumulator_dtype and param dtypes), or start a fresh optimizer state "
       "with tx.init(params) and keep only the params."
     )
-  restored = [_fingerprint(s.every_k, s.loss_scale, s.aggregation) for s in find_states(state)]
-  concrete = [fp for fp in restored if fp is not None]
-  if restored and len(concrete) == len(restored):
-    expected_fp = _fingerprints(tx, params)
-    where = lambda i: f"accumulate state {i}: " if len(expected_fp) > 1 else ""
-    problems = [
-      where(i) + p
-      for i, (got_fp, want_fp) in enumerate(zip(concrete, expected_fp, strict=True))
-      for p in fingerprint_problems(got_fp, want_fp)
-    ]
-    raise_on_problems(problems, "The restored optimizer state")
   return state
 
 
@@ -397,39 +330,8 @@ def _reconfigure(tx: optax.GradientTransformation, params: PyTree, restored: PyT
       )
     features = {
       f: getattr(s, f) if same(getattr(new, f), getattr(s, f)) else getattr(new, f)
-      for f in ("loss_scale", "policy", "observers", "guard", "aggregation")
+      for f in FEATURE_FIELDS
     }
     return new._replace(**{k: getattr(s, k) for k in kept}, **features, inner_state=s.inner_state)
 
   return jax.tree.map(move, fresh, is_leaf=_is_state)
-
-
-def _from_03(tx: optax.GradientTransformation, params: PyTree, restored: PyTree) -> PyTree:
-  """A 0.3 state (any tree of arrays with its leaf paths) as a state of ``tx``."""
-  got = _leaves_by_path(restored)
-  fresh = tx.init(params)
-  prefixes = [
-    ".".join(_key(e) for e in path)
-    for path, x in jax.tree_util.tree_flatten_with_path(fresh, is_leaf=_is_state)[0]
-    if _is_state(x)
-  ]
-  leaves = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(fresh)[0]:
-    name = ".".join(_key(e) for e in path)
-    prefix = next((p for p in prefixes if name.startswith(p + ".") or p == ""), None)
-    old = name
-    if prefix is not None:
-      inside = name[len(prefix) + 1 :] if prefix else name
-      mapped = _migration.state_path_03(inside)
-      old = None if mapped is None else (f"{prefix}.{mapped}" if prefix else mapped)
-    if old is None:
-      leaves.append(leaf)  # a leaf 0.4 added: its fresh value
-    elif old in got:
-      leaves.append(jnp.asarray(got[old], leaf.dtype).reshape(leaf.shape))
-    else:
-      raise ValueError(
-        f"The 0.3 state has no leaf {old}, which this tx's state needs at {name}: restore the "
-        "checkpoint with the configuration that wrote it (the same every_k, token budget, "
-        "noise scale, guards and inner optimizer), in their 0.4 spelling."
-      )
-  return jax.tree.unflatten(jax.tree.structure(fresh), leaves)

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 PyTree = Any
 
@@ -66,16 +65,11 @@ class AccumulationState(NamedTuple):
     has_grad_norm: bool, whether ``grad_norm`` is the last closed (non-empty) window's.
     flush_pending: bool, set by :func:`optax_accum.flush` for the one call that closes the
       window (it reaches ``accumulate`` through any wrapper); False in every returned state.
-    every_k: int32, the fixed window length the state was made for; 0 for a schedule or a
-      token budget without a microbatch cap. Checked on every concrete call.
     loss_scale: ``LossScaleState`` with ``loss_scale=``, else ``EmptyState()``.
     policy: the window policy's sub-state (``TokenBudgetState`` for a token budget;
       ``EmptyState()`` for ``every_k``).
     observers: one sub-state per observer of ``observe=`` (``NoiseScaleState``), a tuple.
     guard: ``GuardState`` with ``skip_if=``, else ``EmptyState()``.
-    aggregation: with a non-default ``aggregate=`` or leaves whose default rule is not the
-      mean (Flax's FP8 collection), an ``AggregationState`` (the rules' fingerprint);
-      ``EmptyState()`` otherwise.
     inner_state: the inner optimizer's state; changes only on applied windows.
 
   Examples:
@@ -83,8 +77,8 @@ class AccumulationState(NamedTuple):
     >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=4)
     >>> params = {'w': jnp.zeros(3)}
     >>> state = tx.init(params)
-    >>> state.window.grad_sum['w'].dtype, int(state.every_k), state.loss_scale
-    (dtype('float32'), 4, EmptyState())
+    >>> state.window.grad_sum['w'].dtype, int(state.mini_step), state.loss_scale
+    (dtype('float32'), 0, EmptyState())
     >>> _, state = tx.update({'w': jnp.ones(3)}, state, params, weight=2)
     >>> int(state.mini_step), float(state.window.weight_sum), state.window_sum['w']
     (1, 2.0, Array([2., 2., 2.], dtype=float32))
@@ -101,12 +95,10 @@ class AccumulationState(NamedTuple):
   grad_norm: jax.Array
   has_grad_norm: jax.Array
   flush_pending: jax.Array
-  every_k: jax.Array
   loss_scale: Any
   policy: Any
   observers: tuple[Any, ...]
   guard: Any
-  aggregation: Any
   inner_state: PyTree
 
   @property
@@ -137,7 +129,7 @@ class AccumulationState(NamedTuple):
     return {f: getattr(self, f) for f in FEATURE_FIELDS}
 
 
-FEATURE_FIELDS = ("loss_scale", "policy", "observers", "guard", "aggregation")
+FEATURE_FIELDS = ("loss_scale", "policy", "observers", "guard")
 
 
 def _is_state(x: Any) -> bool:
@@ -210,88 +202,14 @@ class Shards(NamedTuple):
   inner: PyTree
 
 
-# ------------------------------------------------------------------ configuration fingerprints
-
-
-class Fingerprint(NamedTuple):
-  """What a state must agree on with the transformation that updates it (trace-time values).
-
-  Attributes:
-    every_k: the fixed window length, 0 when windows are not a fixed count.
-    loss_scale: ``None``, ``'static'`` or ``'dynamic'``.
-    static_scale: the static loss scale's value (None otherwise).
-    aggregation: ``(denominator, rules, apply_empty, overwrite)`` of a non-default
-      aggregation (``_aggregation.fingerprint``), None for the weighted mean.
-  """
-
-  every_k: int
-  loss_scale: str | None
-  static_scale: float | None
-  aggregation: tuple | None = None
-
-
-def fingerprint_of(every_k: Any, loss_scale: Any) -> Fingerprint | None:
-  """A state's :class:`Fingerprint` from its ``every_k`` and ``loss_scale`` fields.
-
-  None when they are traced: the check is free under ``jit``.
-  """
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((every_k, loss_scale))):
-    return None
-  k = int(np.asarray(every_k))
-  if not hasattr(loss_scale, "dynamic"):  # optax.EmptyState(): no loss scale
-    return Fingerprint(k, None, None)
-  if bool(np.asarray(loss_scale.dynamic)):
-    return Fingerprint(k, "dynamic", None)
-  return Fingerprint(k, "static", float(np.asarray(loss_scale.scale)))
-
-
-def fingerprint_problems(got: Fingerprint, want: Fingerprint) -> list[str]:
-  """What differs between a state's fingerprint and the transformation's, in words."""
-  problems = []
-  if got.every_k != want.every_k:
-    show = lambda k: f"every_k={k}" if k else "no fixed every_k (a schedule or a token budget)"
-    problems.append(f"the state has {show(got.every_k)}, the transformation {show(want.every_k)}")
-  if got.loss_scale != want.loss_scale:
-    show = lambda s: f"loss_scale={s}_loss_scale" if s else "no loss_scale"
-    problems.append(
-      f"the state has {show(got.loss_scale)}, the transformation {show(want.loss_scale)}"
-    )
-  elif want.static_scale is not None and np.float32(got.static_scale) != np.float32(
-    want.static_scale
-  ):
-    problems.append(
-      f"the state's static loss scale is {got.static_scale}, the transformation's "
-      f"{want.static_scale} (the open window's gradients were scaled by the old value)"
-    )
-  if got.aggregation != want.aggregation:
-    problems.append(
-      f"the state was made with {_aggregation_words(got.aggregation)}, the transformation "
-      f"has {_aggregation_words(want.aggregation)}"
-    )
-  return problems
-
-
-def _aggregation_words(fp: tuple | None) -> str:
-  """An aggregation fingerprint in words."""
-  if fp is None:
-    return "the default aggregation (the weighted mean of every leaf)"
-  d, rules, apply_empty, overwrite = fp
-  den = "the weight sum" if d == 0 else "a schedule" if d < 0 else f"{d:g}"
-  return (
-    f"aggregate(denominator={den}, apply_empty={apply_empty}, overwrite={overwrite}) with "
-    f"per-leaf rules {list(rules)}"
-  )
-
-
 def raise_on_problems(problems: list[str], what: str) -> None:
   """Raises one ``ValueError`` listing ``problems`` (if any) and what to do."""
   if problems:
     raise ValueError(
       f"{what} was made by another accumulate configuration: "
       + "; ".join(problems)
-      + ". Windows would be mixed or divided by the wrong scale: restore into an accumulate() "
-      "with the same configuration, or, to continue with this one (a larger every_k, another "
-      "window policy), close the window with the old one (optax_accum.flush) and move the "
-      "state: optax_accum.sharding.migrate_state(tx, params, state) keeps the inner "
-      "optimizer's state and the counters."
+      + ". Restore into an accumulate() with the same configuration, or, to continue with "
+      "this one (another window policy, guards or observers), close the window with the old "
+      "one (optax_accum.flush) and move the state: optax_accum.sharding.migrate_state(tx, "
+      "params, state) keeps the inner optimizer's state and the counters."
     )

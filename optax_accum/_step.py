@@ -58,13 +58,6 @@ class Config(NamedTuple):
   keeps_window: bool
   placement: Any
 
-  def fingerprint(self, grads: PyTree) -> st.Fingerprint:
-    """What a state made by this configuration holds (``_state.Fingerprint``)."""
-    ls = self.loss_scale
-    static = ls.value if ls.kind == "static" else None
-    agg = self.aggregation.fingerprint(grads)
-    return st.Fingerprint(self.policy.every_k, ls.kind, static, agg)
-
   def sub_states(self, params: PyTree) -> dict[str, Any]:
     """The features' fresh sub-states, by state field."""
     return {
@@ -72,7 +65,6 @@ class Config(NamedTuple):
       "policy": self.policy.init(),
       "observers": tuple(o.init() for o in self.observers),
       "guard": self.guards.init(),
-      "aggregation": self.aggregation.init(params),
     }
 
   def window_sums(self, params: PyTree) -> dict[str, Any]:
@@ -86,8 +78,8 @@ class Config(NamedTuple):
 def run(config, output, compiled, grads, state, params, extra):
   """:func:`step`, or, for an eager call, its program compiled once per configuration.
 
-  Under a trace this is :func:`step`. Eagerly, the checks of concrete values (the state's
-  fingerprint, the weight) run here and the step runs as ``compiled[output]``, ``accumulate``'s
+  Under a trace this is :func:`step`. Eagerly, the checks of concrete values (the weight, a
+  denominator schedule's value) run here and the step runs as ``compiled[output]``, ``accumulate``'s
   cached ``jax.jit`` of :func:`step`, instead of tracing both ``lax.cond`` branches each call.
   """
   if not _concrete((grads, state, params, extra)):
@@ -105,10 +97,6 @@ def _check_args(weight, flush, value) -> tuple[jax.Array, jax.Array, jax.Array |
   if value is not None:
     value = _checks.scalar(value, "value", "the scalar loss of the microbatch")
   return _checks.weight(weight), _checks.flag(flush, "flush"), value
-
-
-def _is_traced(tree: PyTree) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _concrete(tree: PyTree) -> bool:
@@ -213,7 +201,6 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   and sub-states after the window (``window`` and ``inner_state`` None).
   """
   grad_sum, inner_state = operands
-  accepted = refuse_another_configuration(config, header, window.grad_sum)
   agg, placement = config.aggregation, config.placement
   # Under axis_name, the window over the devices: one all-reduce (a pmax first for max/last
   # leaves), or (ZeRO-1) one reduce-scatter: this device's 1/n of each leaf, the scalars summed.
@@ -237,7 +224,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   # A finite window a guard skips: nothing but num_spikes changes.
   spike = ~empty & finite & config.guards.judge(header.guard, stats)
   runs = ~empty | (agg.apply_empty & ~nothing_to_close)  # DP-SGD applies an empty window
-  apply = runs & finite & ~spike & accepted  # accepted: false only where the step raised
+  apply = runs & finite & ~spike
   inner_args = dict(extra)
   if value is not None:
     inner_args["value"] = jnp.where(has_value, loss, jnp.nan)
@@ -296,74 +283,6 @@ def _counters(header: st.AccumulationState, outcome: Outcome, norm: jax.Array, n
     grad_norm=jnp.where(has_norm, norm, header.grad_norm),
     has_grad_norm=jnp.where(empty, header.has_grad_norm, has_norm),
   )
-
-
-def refuse_another_configuration(config, header: st.AccumulationState, tree: PyTree) -> jax.Array:
-  """Under ``jit`` a state's fingerprint is traced: at the boundary, a state of another
-  configuration (another ``every_k``, loss scale or aggregation, restored without
-  ``check_compatible``) stops the step with a host callback in a branch taken only then.
-
-  Eager calls compared the values before the step (``check_inputs``); under ``jax.vmap`` the
-  branch becomes a select and the callback raises only for a mismatched state. Returns a
-  boolean scalar, true (the step applies only with it): a ``jax.pure_callback`` whose result is
-  used, since an effect (``jax.debug.callback``) would take every call of the jitted step off
-  JAX's C++ dispatch path (about 0.6 ms per microstep on CPU, more with more leaves).
-  """
-  if not _is_traced(header.every_k):
-    return jnp.ones((), jnp.bool_)
-  want = config.fingerprint(tree)
-  checks = [(header.every_k, want.every_k)]
-  if want.loss_scale is not None:
-    checks.append((header.loss_scale.dynamic, want.loss_scale == "dynamic"))
-  if want.static_scale is not None:
-    checks.append((header.loss_scale.scale, np.float32(want.static_scale)))
-  if want.aggregation is not None:
-    d, rules, apply_empty, overwrite = want.aggregation
-    agg = header.aggregation
-    checks += [(agg.denominator, d), (agg.apply_empty, apply_empty), (agg.overwrite, overwrite)]
-    codes = np.asarray([config.aggregation.rule_code(r) for r in rules], np.int32)
-    checks.append((agg.rules, codes.reshape(agg.rules.shape)))
-  differs = [jnp.any(got != jnp.asarray(w).astype(got.dtype)) for got, w in checks]
-  mismatch = jnp.any(jnp.stack(differs))
-
-  def refuse(flag, every_k):
-    if np.any(flag):
-      st.raise_on_problems(
-        [
-          f"under jit, this state's fingerprint (every_k={np.ravel(every_k)[0]}, its loss "
-          f"scale and aggregation) is not the transformation's {_words(want)}; checked at the "
-          "first boundary (sharding.check_compatible says so before the first step)"
-        ],
-        "This optimizer state",
-      )
-
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.manual_axes and set(mesh.manual_axes) != set(mesh.axis_names):
-    # A shard_map manual over some axes only (HSDP) lowers no pure_callback; a debug callback
-    # lowers there, at the cost of the slower dispatch.
-    jax.lax.cond(
-      mismatch, lambda: jax.debug.callback(refuse, mismatch, header.every_k), lambda: None
-    )
-    return jnp.ones((), jnp.bool_)
-
-  def accept(flag, every_k):  # raises for a mismatched state, else true
-    refuse(flag, every_k)
-    return ~np.asarray(flag)
-
-  accepted = jax.ShapeDtypeStruct((), jnp.bool_)
-  return jax.lax.cond(
-    mismatch,
-    lambda: jax.pure_callback(
-      accept, accepted, mismatch, header.every_k, vmap_method="broadcast_all"
-    ),
-    lambda: jnp.ones((), jnp.bool_),
-  )
-
-
-def _words(fp: st.Fingerprint) -> str:
-  k = f"every_k={fp.every_k}" if fp.every_k else "no fixed every_k"
-  scale = f"loss_scale={fp.loss_scale}" if fp.loss_scale else "no loss_scale"
-  return f"({k}, {scale})"
 
 
 def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
@@ -431,13 +350,10 @@ def check_inputs(config, grads: PyTree, state: Any, params: PyTree) -> None:
     )
   acc = state.window.grad_sum if config.keeps_window else None
   check_trees(grads, acc, params, config.accumulator_dtype)
-  problems = _sub_state_problems(config, grads, state)
-  got = st.fingerprint_of(state.every_k, state.loss_scale)
-  if got is not None and not problems and not _is_traced(state.aggregation):
-    got = got._replace(aggregation=config.aggregation.state_fingerprint(state.aggregation))
-    problems = st.fingerprint_problems(got, config.fingerprint(grads))
-  elif not problems:  # traced values (under jit): what can be compared is the structure
-    problems = _inner_structure_problems(config, grads, state.inner_state)
+  # Structure only: the configuration lives in the closure, the state holds data.
+  problems = _sub_state_problems(config, grads, state) or _inner_structure_problems(
+    config, grads, state.inner_state
+  )
   st.raise_on_problems(problems, "This optimizer state")
   config.placement.check_bound()
   _vma.check_replicated(params, config.axis_name)
@@ -479,7 +395,6 @@ _ARGUMENT = {
   "policy": "every_k=, the window policy",
   "observers": "observe=",
   "guard": "skip_if=",
-  "aggregation": "aggregate=",
 }
 
 
@@ -492,8 +407,7 @@ def _kind(sub: Any) -> str:
 
 def _inner_structure_problems(config, grads: PyTree, inner_state: Any) -> list[str]:
   """Whether ``inner_state`` has the structure this configuration's inner optimizer makes
-  (``aggregate(reduce=...)`` wraps it in ``optax.masked``); the fingerprint's values are
-  traced under jit."""
+  (``aggregate(reduce=...)`` wraps it in ``optax.masked``)."""
   inner = config.aggregation.inner_for(config.inner, grads)
   want = config.placement.wrap(jax.eval_shape(inner.init, grads))
   if jax.tree.structure(inner_state) == jax.tree.structure(want):

@@ -54,11 +54,6 @@ class TokenBudget:
   of: str | None
   max_microbatches: int | None
 
-  @property
-  def every_k(self) -> int:
-    """The state's fingerprint: the microbatch cap, 0 without one."""
-    return self.max_microbatches or 0
-
   def init(self) -> TokenBudgetState:
     """A fresh sub-state: both counts zero (fresh buffers each, for donation)."""
     return TokenBudgetState(wc.zeros(), wc.zeros())

@@ -9,6 +9,7 @@ transform call runs under ``jax.jit``.
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple
 
 import _compat
@@ -419,7 +420,6 @@ def test_every_k_schedule_of_num_updates():
   step = make_step(tx)
   p = {"w": jnp.zeros(())}
   s = tx.init(p)
-  assert int(s.every_k) == 0  # no fixed window length
   updated = []
   for i in range(12):
     _, s, p = call(step, {"w": jnp.float32(-(i + 1))}, s, p, weight=1.0)
@@ -653,16 +653,6 @@ def test_empty_window_counts_nothing():
   assert int(s.num_updates) == 1
 
 
-def test_skip_nonfinite_false_is_refused_the_state_stays_finite():
-  """0.4 always skips a non-finite window (the state is always finite); 0.3's escape hatch
-  raises, naming why, after its DeprecationWarning."""
-  with pytest.warns(DeprecationWarning, match="skip_nonfinite"):
-    with pytest.raises(ValueError, match=r"always skipped .* Drop skip_nonfinite"):
-      optax_accum.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=False)
-  with pytest.warns(DeprecationWarning, match="skip_nonfinite"):
-    optax_accum.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=True)  # what it always does
-
-
 # ----------------------------------------------------------------------------- errors
 
 
@@ -717,22 +707,69 @@ def test_mismatched_trees_raise_at_trace_time():
     update(p, s, {"w": jnp.zeros(2), "b": jnp.zeros(4)})
 
 
-def test_restored_state_with_other_every_k_raises():
+def test_a_state_of_another_every_k_continues_under_the_transformation_s():
+  """Issue 48: the window length lives in the closure (optax's way), not in the state: a state
+  made with every_k=4 holding one microbatch closes after the second under every_k=2, with
+  the weighted mean of both (hand-worked: -(3 * 1 + 1 * 5) / 4 = -2)."""
   p = {"w": jnp.zeros(2)}
-  s = optax_accum.accumulate(optax.sgd(1.0), every_k=4).init(p)
+  old = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
+  _, s = old.update({"w": jnp.ones(2)}, old.init(p), p, weight=3)
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
-  with pytest.raises(ValueError, match="restore into an accumulate"):
-    tx.update(p, s, p)
+  optax_accum.sharding.check_compatible(tx, p, s)  # the same leaves: accepted
+  u, s = jax.jit(tx.update)({"w": jnp.full(2, 5.0)}, s, p, weight=1)
+  np.testing.assert_array_equal(u["w"], [-2.0, -2.0])
+  assert int(s.num_updates) == 1
 
 
-def test_restored_state_with_other_every_k_under_jit_needs_check_compatible():
-  # Under jit the state is traced, so update() cannot read the fingerprint; the documented
-  # guard for restored states is optax_accum.sharding.check_compatible, which reads it concretely.
+def test_a_state_of_another_structure_raises_under_jit_too():
+  """A state whose sub-states are not this configuration's (a loss scale's) is refused at
+  trace time, eagerly and under jit alike: no host callback, the structure is known."""
   p = {"w": jnp.zeros(2)}
-  s = optax_accum.accumulate(optax.sgd(1.0), every_k=4).init(p)
+  scaled = optax_accum.accumulate(optax.sgd(1.0), 2, loss_scale=optax_accum.static_loss_scale(8))
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
-  with pytest.raises(ValueError, match="the state has every_k=4, the transformation every_k=2"):
-    optax_accum.sharding.check_compatible(tx, p, s)
+  for update in (tx.update, jax.jit(tx.update)):
+    with pytest.raises(ValueError, match="another accumulate configuration: .*loss_scale"):
+      update(p, scaled.init(p), p)
+
+
+@pytest.mark.parametrize("path", ["update", "update_and_apply"])
+def test_the_jitted_step_exports_without_host_callbacks(path):
+  """Issue 48: jax.export serializes the step (it refuses host callbacks), with a loss scale,
+  a spike rule and a noise scale on; the exported step gives the jitted step's result."""
+  from jax import export
+
+  tx = optax_accum.accumulate(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    every_k=2,
+    loss_scale=optax_accum.dynamic_loss_scale(),
+    skip_if=optax_accum.spike_rule(warmup=2),
+    observe=(optax_accum.noise_scale(0.9),),
+  )
+  p = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
+  if path == "update":
+    step = lambda g, s, p: tx.update(g, s, p, weight=3.0, value=jnp.float32(0.5))
+  else:
+    step = lambda g, s, p: optax_accum.update_and_apply(
+      tx, g, s, p, weight=3.0, value=jnp.float32(0.5)
+    )
+  state = tx.init(p)
+  treedef = jax.tree.structure(state)  # optax's state types are not registered for export
+
+  def flat_step(g, leaves, p):
+    out, new = step(g, jax.tree.unflatten(treedef, leaves), p)
+    return out, jax.tree.leaves(new)
+
+  grads = jax.tree.map(jnp.ones_like, p)
+  exported = export.export(jax.jit(flat_step))(grads, jax.tree.leaves(state), p)
+  restored = export.deserialize(exported.serialize())
+  leaves = jax.tree.leaves(state)
+  for _ in range(2):  # the second call is a boundary
+    want = jax.jit(flat_step)(grads, leaves, p)
+    chex.assert_trees_all_equal(restored.call(grads, leaves, p), want)
+    leaves = want[1]
+  assert int(jax.tree.unflatten(treedef, leaves).num_updates) == 1
+  targets = set(re.findall(r"custom_call @([\w.]+)", exported.mlir_module()))
+  assert not [t for t in targets if "callback" in t or "python" in t], targets
 
 
 def test_traced_negative_weight_subtracts_its_microbatch():
@@ -780,7 +817,8 @@ def test_accumulate_takes_at_most_nine_named_parameters():
   import inspect
 
   params = inspect.signature(optax_accum.accumulate).parameters.values()
-  named = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+  assert all(p.kind is not p.VAR_KEYWORD for p in params)  # an unknown keyword: TypeError
+  named = [p.name for p in params]
   assert len(named) <= 9, named
 
 
@@ -798,7 +836,8 @@ def test_non_numeric_weight_raises(weight):
 
 
 def test_public_surface_is_small():
-  """Issue 38, item 4: at most 30 names in all public modules together, each in __all__."""
+  """Issue 38, item 4: at most 33 names in all public modules together, each in __all__
+  (30 in 0.4's design, and testing's three report classes, issue 48 item 5)."""
   import importlib
 
   names = set()
@@ -808,49 +847,6 @@ def test_public_surface_is_small():
     assert len(m.__all__) == len(set(m.__all__))
     assert all(hasattr(m, name) for name in m.__all__), module
     names |= set(m.__all__)
-  assert len(names) <= 30, sorted(names)
+  assert len(names) <= 33, sorted(names)
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     _ = optax_accum.nope
-
-
-@pytest.mark.parametrize(
-  "name, replacement",
-  [
-    ("abstract_state", "optax_accum.sharding.abstract_state"),
-    ("check_compatible", "optax_accum.sharding.check_compatible"),
-    ("count_collectives", "optax_accum.testing.count_collectives"),
-    ("StaticLossScale", r"optax_accum.static_loss_scale\(value\)"),
-    ("apply_if_updated", "optax_accum.update_and_apply"),
-  ],
-)
-def test_names_removed_earlier_raise_naming_their_replacement(name, replacement):
-  assert name not in optax_accum.__all__
-  with pytest.raises(AttributeError, match=f"{name} was removed .*; use {replacement}"):
-    getattr(optax_accum, name)
-
-
-@pytest.mark.parametrize(
-  "name, spelling",
-  [
-    ("get_loss_scale", r"metrics\(opt_state\).loss_scale"),
-    ("scaled_value_and_grad", r"microbatched_value_and_grad\(loss_fn, 1"),
-    ("split_batch", "microbatched_value_and_grad"),
-    ("sqrt_scaled_schedule", r"token_budget\(ramp, of='num_updates'\).sqrt_scaled_schedule"),
-    ("Metrics", r"optax_accum.metrics\(...\)"),
-    ("Accumulation", r"optax_accum.accumulate\(...\)"),
-  ],
-)
-def test_names_moved_in_0_4_work_for_one_release_with_a_warning(name, spelling):
-  assert name not in optax_accum.__all__
-  with pytest.warns(DeprecationWarning, match=f"removed in 0.5; use .*{spelling}"):
-    assert getattr(optax_accum, name) is not None
-
-
-def test_planning_module_forwards_with_a_warning():
-  import optax_accum.planning as planning
-
-  with pytest.warns(DeprecationWarning, match=r"plan.microbatches_for\(global_batch\)"):
-    microbatches_for = planning.microbatches_for
-  plan = optax_accum._planning.MicrobatchPlan(48, 0, 0, {}, 0, 0, 0.0, 0.0)
-  assert microbatches_for(plan, 256) == plan.microbatches_for(256)
-  assert planning.__all__ == []

@@ -343,10 +343,9 @@ def test_a_dict_prefix_names_paths_of_any_mapping_and_refuses_what_the_params_la
     with pytest.raises(ValueError, match="reduce= must be a rule or a tree prefix"):
       bad.init(params)
   nested = {"a": {"m": jnp.zeros(3)}, "n": None, "s": [jnp.zeros(2)]}
-  tx = optax_accum.accumulate(
-    optax.sgd(1.0), every_k=2, aggregate=optax_accum.aggregate(reduce={"a": "max", "s": ["sum"]})
-  )
-  assert tx.init(nested).aggregation.rules.tolist() == [2, 1]  # 'max', 'sum'
+  agg = optax_accum.aggregate(reduce={"a": "max", "s": ["sum"]})
+  assert agg.rules(nested) == ("max", "sum")  # the leaves a.m and s[0]; n is None
+  optax_accum.accumulate(optax.sgd(1.0), every_k=2, aggregate=agg).init(nested)
 
 
 def test_wrong_gradient_trees_and_jitted_states_of_another_rule_get_clear_errors():
@@ -357,7 +356,7 @@ def test_wrong_gradient_trees_and_jitted_states_of_another_rule_get_clear_errors
   listed = {k: [v, v] for k, v in params.items()}
   with pytest.raises(ValueError, match="The gradient tree does not match"):
     tx.update(listed, tx.init(params), params)
-  # Under jit the fingerprint's values are traced; a masked inner state still tells.
+  # Under jit too: an overwriting rule masks the inner optimizer, whose state then differs.
   maxed = optax_accum.accumulate(
     optax.sgd(1.0),
     every_k=4,
@@ -368,7 +367,7 @@ def test_wrong_gradient_trees_and_jitted_states_of_another_rule_get_clear_errors
     step(tx.init(params))
 
 
-def test_restoring_a_state_of_another_rule_raises():
+def test_a_restored_state_resumes_bitwise_and_the_rules_live_in_the_closure():
   params = {"m": jnp.zeros(3), "l": jnp.zeros(2), "s": jnp.zeros(2)}
   grads, weights = rule_data()
   saved = optax_accum.accumulate(
@@ -376,18 +375,11 @@ def test_restoring_a_state_of_another_rule_raises():
   )
   _, state, _ = run(saved, grads[:2], weights[:2], params)  # mid-window
   restored = jax.tree.map(np.asarray, state)
+  # The denominator is configuration (issue 48): a state holds the same leaves under any.
   other = optax_accum.accumulate(
     optax.sgd(1.0), every_k=4, aggregate=optax_accum.aggregate(denominator=16)
   )
-  with pytest.raises(
-    ValueError, match=r"denominator=8, .* the transformation has aggregate\(denominator=16"
-  ):
-    optax_accum.sharding.check_compatible(other, params, restored)
-  with pytest.raises(ValueError, match="denominator=8"):
-    other.update(grads[2], restored, params)
-  plain = optax_accum.accumulate(optax.sgd(1.0), every_k=4)
-  with pytest.raises(ValueError, match="aggregation"):
-    optax_accum.sharding.check_compatible(plain, params, restored)
+  optax_accum.sharding.check_compatible(other, params, restored)
   # The same configuration resumes and ends where an uninterrupted run does.
   state = optax_accum.sharding.check_compatible(saved, params, restored)
   p1, s1 = params, state

@@ -141,16 +141,3 @@ def test_linen_train_state_value_reaches_the_window_loss():
   m = optax_accum.metrics(state.opt_state)
   assert bool(m.has_window_loss) and float(m.window_loss) == (1 * 1 + 5 * 3) / 4
   assert int(state.step) == 1
-
-
-def test_removed_flax_names_name_their_replacement():
-  import optax_accum.flax
-
-  with pytest.raises(AttributeError, match=r"optax_accum.flax.flush was removed .*flush=True"):
-    _ = optax_accum.flax.flush
-  model_state = optax_accum.flax.TrainState.create(
-    apply_fn=lambda *a: None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0)
-  )
-  with pytest.raises(AttributeError, match=r"TrainState.discard was removed .*discard"):
-    _ = model_state.discard
-  np.testing.assert_array_equal(model_state.params["w"], 0.0)

@@ -1,4 +1,4 @@
-"""optax_accum/_metrics.py: what metrics() and get_loss_scale() read, against hand-worked runs."""
+"""optax_accum/_metrics.py: what metrics() reads, against hand-worked runs."""
 
 import warnings
 

@@ -35,8 +35,6 @@ class AlternatingState(NamedTuple):
 class Alternating:
   """Windows of 2 microbatches after an even number of applied updates, 3 after an odd one."""
 
-  every_k = 0  # not a fixed count: the state's fingerprint says so
-
   def init(self):
     return AlternatingState(jnp.zeros((), jnp.int32))
 
@@ -70,15 +68,12 @@ def test_a_window_policy_written_outside_the_package():
   want = [0, -means[0], 0, 0, -means[1], 0, -means[2], 0, 0, -means[3]]
   np.testing.assert_allclose(emitted, want, rtol=1e-6)
   assert int(state.policy.closed) == 4 == int(optax_accum.metrics(state).num_updates)
-  assert int(state.every_k) == 0
   assert_state_finite(state)
 
 
 class TokenCallback:
   """A token budget read from a callback: the budget is whatever ``budget_of(num_updates)``
   says; the window's weight is summed by the core (``position.weight_sum``)."""
-
-  every_k = 0
 
   def __init__(self, budget_of):
     self.budget_of = budget_of
@@ -116,8 +111,6 @@ def test_a_token_budget_from_a_callback_equals_token_budget():
 class GradEnergy:
   """Closes a window when its microbatches' squared gradient norms sum to ``threshold``: a
   policy whose ``add`` takes the gradient (``add(window, weight, grads)``, issue 40)."""
-
-  every_k = 0
 
   def __init__(self, threshold):
     self.threshold = threshold
@@ -160,16 +153,8 @@ def test_a_window_policy_that_reads_each_microbatch_gradient():
   assert_state_finite(state)
 
 
-def test_a_policy_missing_a_method_or_every_k_is_refused():
-  class NoEveryK(Alternating):
-    every_k = None
-
-  with pytest.raises(TypeError, match="needs an int attribute every_k"):
-    optax_accum.accumulate(optax.sgd(1.0), NoEveryK())
-
+def test_a_policy_missing_a_method_is_refused():
   class NoClose:
-    every_k = 0
-
     def closes(self, state, window, position):
       return True
 

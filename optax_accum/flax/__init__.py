@@ -25,10 +25,3 @@ from optax_accum.flax._linen import TrainState  # noqa: E402
 from optax_accum.flax._nnx import Optimizer  # noqa: E402
 
 __all__ = ["Optimizer", "TrainState", "microbatched_value_and_grad"]
-
-
-def __getattr__(name: str):
-  """Names removed earlier raise, naming their replacement."""
-  from optax_accum import _migration
-
-  raise _migration.removed("optax_accum.flax", name)

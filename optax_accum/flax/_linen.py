@@ -17,7 +17,7 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optax_accum import _migration, _pitfalls
+from optax_accum import _pitfalls
 from optax_accum._actions import update_and_apply
 from optax_accum._state import AccumulationState, find_states
 
@@ -110,10 +110,6 @@ class TrainState(train_state.TrainState):
     return self.replace(
       step=self.step + applied, params=new_params, opt_state=new_opt_state, **kwargs
     )
-
-  def __getattr__(self, name: str) -> Any:
-    """Only reached for a missing attribute: a removed one names its replacement."""
-    raise _migration.removed("TrainState", name)
 
   def apply_gradients(
     self, *, grads: Any, weight: Any = None, flush: Any = None, value: Any = None, **kwargs: Any

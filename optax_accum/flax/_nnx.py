@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from optax_accum import _migration, _pitfalls
+from optax_accum import _pitfalls
 from optax_accum._actions import update_and_apply
 from optax_accum._state import find_states
 from optax_accum.flax._in_step import as_pure as _as_pure
@@ -97,10 +97,6 @@ class Optimizer(nnx.Optimizer):
     self._step(
       model, params, update_and_apply(self.tx, grads, opt_state, params, **_as_pure(kwargs))
     )
-
-  def __getattr__(self, name: str) -> Any:
-    """Only reached for a missing attribute: a removed one names its replacement."""
-    raise _migration.removed("Optimizer", name)
 
   def _step(self, model: Any, params: Any, result: tuple[Any, Any]) -> None:
     new_params, new_opt_state = result

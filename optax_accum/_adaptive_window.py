@@ -107,7 +107,7 @@ class AdaptiveWindow:
     """The exact weight parts and the noise sums (``n_k |g_k|^2``, one sample) of a microbatch."""
     return WindowSums(
       self._tokens.add(window.weight_parts, weight, grads),
-      _noise_scale.add(window.noise, grads, weight),
+      _noise_scale.add(window.noise, weight, grads),
     )
 
   def closes(self, state: AdaptiveWindowState, window: WindowSums, position: Position) -> jax.Array:

@@ -349,7 +349,7 @@ def _scan(cfg: _Config, mode: _Mode, micro: PyTree, state0: Any, shared: bool):
     sums, state = carry
     k, mb = xs
     loss, aux, new_state, g, w = mode.grads_of(mb, k, state)
-    noise = mode.add_noise(sums.noise, g, w) if sums.noise else ()
+    noise = mode.add_noise(sums.noise, w, g) if sums.noise else ()
     sums = _Sums(
       grads=mode.add_grads(
         sums.grads, g, (w != 0).astype(w.dtype) if shared else w, sums.weight == 0

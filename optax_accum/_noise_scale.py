@@ -63,9 +63,9 @@ class NoiseScale:
     return zeros()
 
   def add(
-    self, window: tuple[jax.Array, jax.Array], grads: PyTree, weight: jax.Array
+    self, window: tuple[jax.Array, jax.Array], weight: jax.Array, grads: PyTree
   ) -> tuple[jax.Array, jax.Array]:
-    return add(window, grads, weight)
+    return add(window, weight, grads)
 
   def close(
     self, state: NoiseScaleState, window: tuple[jax.Array, jax.Array], outcome: Outcome
@@ -172,7 +172,7 @@ def zeros() -> tuple[jax.Array, jax.Array]:
 
 
 def add(
-  sums: tuple[jax.Array, jax.Array], grads: PyTree, weight: jax.Array
+  sums: tuple[jax.Array, jax.Array], weight: jax.Array, grads: PyTree
 ) -> tuple[jax.Array, jax.Array]:
   """The window's noise sums with one microbatch added: ``n_k |g_k|^2`` and one sample.
 
@@ -181,7 +181,7 @@ def add(
   weight-0 microbatch (a flush, all padding) is not a sample and adds nothing, even a NaN.
 
   Examples:
-    >>> s = add(zeros(), {'w': jnp.array([3., 4.])}, jnp.float32(2))
+    >>> s = add(zeros(), jnp.float32(2), {'w': jnp.array([3., 4.])})
     >>> float(s[0]), int(s[1])  # 2 * (9 + 16)
     (50.0, 1)
   """

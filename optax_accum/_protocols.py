@@ -171,8 +171,9 @@ class Observer(Protocol):
   def init_window(self, params: PyTree) -> PyTree:
     """Per-window sums (floating arrays, summed over the devices at the boundary)."""
 
-  def add(self, window: PyTree, grads: PyTree, weight: jax.Array) -> PyTree:
-    """The window sums with one microbatch's (loss-scaled) gradient of ``weight`` added."""
+  def add(self, window: PyTree, weight: jax.Array, grads: PyTree) -> PyTree:
+    """The window sums with one microbatch's (loss-scaled) gradient of ``weight`` added (the
+    window policy's argument order)."""
 
   def close(self, state: PyTree, window: PyTree, outcome: Outcome) -> PyTree:
     """The sub-state after the window closed (``window``: its sums over the devices)."""

@@ -177,7 +177,7 @@ def add_microbatch(config, state, grads, w, value) -> st.Window:
     weight_sum=window.weight_sum + w,
     policy=config.policy.add(window.policy, w, grads),
     observers=tuple(
-      o.add(s, grads, w) for o, s in zip(config.observers, window.observers, strict=True)
+      o.add(s, w, grads) for o, s in zip(config.observers, window.observers, strict=True)
     ),
   )
   if value is not None:

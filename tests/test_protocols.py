@@ -221,7 +221,7 @@ class MaxGrad:
   def init_window(self, params):
     return jnp.zeros((), jnp.float32)
 
-  def add(self, window, grads, weight):
+  def add(self, window, weight, grads):
     big = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads)]))
     return jnp.where(weight > 0, jnp.maximum(window, big), window)
 

@@ -7,6 +7,11 @@ microbatch 1 (the mean of means). :func:`expect` wraps the ``tx.update`` call of
 received (:func:`received`, a trace-time record, nothing in the compiled step), and a wrapper
 that dropped an argument raises, named by its state's type. This changes no behaviour: it
 only refuses a call that would be silently wrong.
+
+Experimental: the record is a ``ContextVar`` set while ``update_and_apply`` traces
+``tx.update``; it relies on the wrapper calling the inner ``update`` during that call (every
+optax wrapper does). A wrapper that defers the call (a future optax) makes the check raise
+loudly, naming the wrapper, rather than pass (``tests/test_delivery.py``).
 """
 
 from __future__ import annotations

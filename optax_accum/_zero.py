@@ -19,6 +19,11 @@ cannot run on shards and is refused, naming it.
 :data:`REPLICATED` is the default placement (every device runs the inner optimizer on the whole
 window after one all-reduce); :class:`Sharded` the ZeRO-1 one. The microstep (``_step.close``)
 calls the same methods on either.
+
+Experimental: :func:`run_on_shards` is a jaxpr interpreter that reads JAX's primitive names
+(``ELEMENTWISE`` and the reductions); a JAX release that renames or adds a primitive an inner
+optimizer uses makes it refuse that optimizer by name (``ShardError``), never run it wrongly
+(``tests/test_zero.py``). Reached only through ``accumulate(..., shard_optimizer=True)``.
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   """Global L2 norm of ``g_sum / denom`` and whether all of it is finite, in one read.
 
   ``sqrt(sum(g_sum**2)) / |denom|`` when that is finite, below a quarter of the
-  dtype's max and above underflow; else an exact, rescaled pass (same result).
+  dtype's max and above underflow; else one rescaled pass (the same result up to rounding).
+  A window whose mean's norm is not representable counts as not finite.
   """
   leaves = jax.tree.leaves(g_sum)
   if not leaves:
@@ -107,29 +108,27 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   # Nor underflow: below tiny / eps the squares may have been lost (weight=1e-25
   # squares to 0 in float32) and clipping would not happen.
   sq_info = jnp.finfo(sq.dtype)
-  fast = fast & (sq >= jnp.asarray(float(sq_info.tiny) / float(sq_info.eps), sq.dtype))
-  for x in leaves:  # the divisor must not underflow in a narrow accumulator dtype
-    fast = fast & (safe.astype(x.dtype) != 0)
+  underflow = sq < jnp.asarray(float(sq_info.tiny) / float(sq_info.eps), sq.dtype)
+  fast = fast & ~underflow
+  for dt in {x.dtype for x in leaves}:  # the divisor must not underflow in a narrow dtype
+    fast = fast & (safe.astype(dt) != 0)
 
   def exact(_):
-    # Finiteness from `isfinite` reduced with `all`, never from a max: XLA:CPU's large
-    # reduce-max drops NaN (jaxlib 0.10: max(|x|) of a 4,096-element leaf holding a NaN is
-    # finite), and other backends' reductions have done the same. With every element finite,
-    # max |g| is exact and |g_i| / |d| <= max |g| / |d| survives rounding, so the mean is
-    # finite iff each leaf's ratio is. The norm is rescaled by max |g| so that its sum of
-    # squares cannot overflow.
-    finite = all_finite(leaves)
-    bigs = []
-    for x in leaves:
-      big = jnp.max(jnp.abs(x))
-      d = jnp.abs(safe.astype(x.dtype)).astype(big.dtype)
-      finite = finite & (~nonzero | jnp.isfinite(big / d))
-      bigs.append(big.astype(dtype))
-    big = jnp.max(jnp.stack(bigs))
-    ratio = jnp.where(nonzero, big / absd, jnp.zeros((), dtype))
-    inv = jnp.ones((), dtype) / jnp.where(finite & (big > 0), big, jnp.ones((), dtype))
-    scaled = jax.tree.map(lambda x: x * inv.astype(x.dtype), g_sum)
-    norm = ratio * jnp.sqrt(optax.tree.norm(scaled, squared=True).astype(dtype))
+    # One rescaled pass, no max (XLA:CPU's large reduce-max drops NaN; other backends'
+    # reductions have too): the squares of g * s with s a power of two (exact scaling) chosen
+    # by why the fast path failed: 2**-100 for a large or non-finite sum of squares (a finite
+    # float32 element then squares to at most 7e16, so the sum is finite iff every element
+    # is: IEEE squares and sums propagate NaN and Inf), 2**100 for an underflowed one (every
+    # element is then finite and tiny). The norm of the mean is then sqrt(sum) / |d| / s.
+    shift = jnp.where(underflow, 100.0, -100.0).astype(dtype)
+    scale = jnp.exp2(shift)
+    scaled_sq = optax.tree.norm(
+      jax.tree.map(lambda x: x * scale.astype(x.dtype), g_sum), squared=True
+    ).astype(dtype)
+    norm = jnp.where(nonzero, jnp.sqrt(scaled_sq) / absd, jnp.zeros((), dtype)) / scale
+    finite = jnp.isfinite(scaled_sq) & jnp.isfinite(norm)
+    for dt in {x.dtype for x in leaves}:  # each element of the mean fits the leaf's dtype
+      finite = finite & (norm < jnp.asarray(float(jnp.finfo(dt).max), dtype))
     # A sum of squares is NaN iff an element is (IEEE addition propagates it), else +Inf.
     not_finite = jnp.where(jnp.isnan(sq), jnp.nan, jnp.inf).astype(dtype)
     return jnp.where(finite, norm, not_finite), finite

@@ -83,16 +83,22 @@ class Weighting(NamedTuple):
     counts: the count of each microbatch (its rows, or the sum of that leaf).
     residual: ``|g_batch - sum_k c_k g_k / sum_k c_k| / |g_batch|`` (Euclidean norms over all
       parameters): 0 up to rounding when the loss averages over exactly these counts.
+    leaf: the key path, in the batch, of the leaf counted: for ``'rows'`` the leaf whose leading
+      dimension was read (the batch's first leaf, e.g. ``"['inputs']"``; ``''`` when the batch
+      is one array), for a mask its own path (``name``).
 
   Examples:
     >>> from optax_accum.testing import Weighting
-    >>> Weighting("['mask']", (4.0, 8.0), 0.0).describe()
-    "unmasked ['mask'] (4, 8)"
+    >>> Weighting("rows", (4.0, 4.0), 0.0, leaf="['inputs']").fix()
+    "weight=batch['inputs'].shape[0] (the microbatch's rows)"
+    >>> Weighting("['loss_masks']", (3.0, 7.0), 0.0, leaf="['loss_masks']").fix()
+    "weight=batch['loss_masks'].sum()"
   """
 
   name: str
   counts: tuple[float, ...]
   residual: float
+  leaf: str = ""
 
   def describe(self) -> str:
     """``'rows (4 each)'`` or ``"unmasked ['mask'] (4, 8, 16, 24)"``."""
@@ -100,10 +106,11 @@ class Weighting(NamedTuple):
     return f"{label} ({_numbers(self.counts)})"
 
   def fix(self) -> str:
-    """The ``weight=`` a training step passes for this count."""
+    """The ``weight=`` a training step passes for this count, named by the batch's own leaf
+    (``batch`` is the microbatch the step gets)."""
     if self.name == "rows":
-      return "weight=x.shape[0] (the microbatch's rows)"
-    return f"weight=batch{self.name}.sum()"
+      return f"weight=batch{self.leaf}.shape[0] (the microbatch's rows)"
+    return f"weight=batch{self.leaf or self.name}.sum()"
 
 
 def _numbers(xs: tuple[float, ...]) -> str:
@@ -357,22 +364,32 @@ class EquivalenceReport(NamedTuple):
       result = "ok" if d.ok(rtol, atol) else "FAIL"
       tol = f"{atol + rtol * d.scale:>13.3g}" if not allowance else f"{'elementwise*':>13}"
       lines.append(f"{label:<34}{d.max_abs:>11.3g}{d.max_rel:>11.3g}{tol}  {result}")
-    m = self.mean_of_means
-    tol_m = atol + rtol * m.scale
-    over = f"{m.max_abs / tol_m:,.0f}x the tolerance" if tol_m > 0 else ""
-    if k == 1:  # nothing to weigh: the mean of one mean is the window's
-      lines.append("mean of means: the same as the window (one microbatch, nothing to weigh)")
-    else:
-      lines.append(
-        f"{'mean of means would give (grad)':<34}{m.max_abs:>11.3g}{m.max_rel:>11.3g}"
-        f"{tol_m:>13.3g}  not checked: {over}"
-      )
+    lines.append(self._mean_of_means_line(rtol, atol))
     lines.append(f"updates applied: {self.num_updates} (1 expected)")
     lines.append(
       "* plus, per element, how far the inner update moves when the gradient moves by its\n"
       "  tolerance (Adam's first step g / (|g| + eps) is steep where |g| is near eps)"
     )
     return "\n".join(lines)
+
+  def _mean_of_means_line(self, rtol: float, atol: float) -> str:
+    """The mean-of-means row: how far equal weights would be off, or that this batch cannot
+    tell them from the right ones."""
+    m, k = self.mean_of_means, len(self.weights)
+    if k == 1:  # nothing to weigh: the mean of one mean is the window's
+      return "mean of means: the same as the window (one microbatch, nothing to weigh)"
+    tol_m = atol + rtol * m.scale
+    if m.max_abs <= tol_m:
+      return (
+        "mean of means: within the tolerance too (equal weights are also exact for this batch,\n"
+        "  so it cannot tell the mean of means from the right weights: check a batch whose\n"
+        "  microbatches hold unequal counts)"
+      )
+    over = f"{m.max_abs / tol_m:,.0f}x the tolerance" if tol_m > 0 else "over a zero tolerance"
+    return (
+      f"{'mean of means would give (grad)':<34}{m.max_abs:>11.3g}{m.max_rel:>11.3g}"
+      f"{tol_m:>13.3g}  not checked: {over}"
+    )
 
   def __str__(self) -> str:
     return self._render(_RTOL, _ATOL)
@@ -697,7 +714,8 @@ def check_equivalence(
   countable = _countable(batch)
   host, (grads, g_ref) = run(p, batch)
   stats, num_updates, weights, (gram, proj, ref_sq), (mask_sums, mask_flags) = jax.device_get(host)
-  rows = float(np.shape(jax.tree.leaves(batch)[0])[0] // k)
+  (first_path, first), *_ = jax.tree_util.tree_flatten_with_path(batch)[0]
+  rows, rows_leaf = float(np.shape(first)[0] // k), jax.tree_util.keystr(first_path)
   candidates = [("rows", np.full(k, rows))]
   candidates += [
     (name, s) for (_, name), s, m in zip(countable, mask_sums, mask_flags, strict=True) if m
@@ -728,7 +746,7 @@ def check_equivalence(
     loss_weights_sum=float(a.sum()),
     weights_residual=float(rel[1]),
     weightings=tuple(
-      Weighting(n, tuple(float(x) for x in c), float(r))
+      Weighting(n, tuple(float(x) for x in c), float(r), leaf=n if n != "rows" else rows_leaf)
       for (n, c), r in zip(candidates, rel[2:], strict=True)
     ),
     fit_tolerance=tol,

@@ -9,8 +9,13 @@ other block runs. After some blocks a check recomputes the page's claim.
 import ast
 import re
 
+import jax
+import numpy as np
+import optax
 import pytest
-from _markdown import ROOT, commented_sample, python_blocks, run_blocks, same_output
+from _markdown import ROOT, commented_sample, python_blocks, run_blocks, same_output, section_blocks
+
+from optax_accum.testing import count_collectives
 
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 RUNNABLE = [p for p in PAGES if any(not sketch for _, sketch in python_blocks(p))]
@@ -181,6 +186,7 @@ PRINTS = {
     "2",  # optax.lookahead: a full window and a flushed one
     "The restored optimizer state was written by a run without optax_accum.accumulate, and tx "
     "is with it",
+    "2",  # pmap: two updates (the section's own test compares them with one device)
   ],
   "scaling.md": [r"\(8, 4\) \(1, 4\)"],  # ZeRO-1: each device holds 4 of w's 32 moments
   "noise_scale.md": [
@@ -270,3 +276,63 @@ def test_design_module_map_is_true_to_the_imports():
     assert rows[name] == imports, name
     assert imports <= above, (name, imports - above)  # imports point up the table
     above.add(name.removesuffix(".py").removeprefix("flax/"))
+
+
+# The two lines docs/porting.md's pmap section changes, and how the program read before.
+PMAP_CHANGES = (
+  (', axis_name="batch")  # 1: axis_name', ")"),
+  (
+    '  # grads = jax.lax.pmean(grads, "batch")  # 2: deleted; the boundary reduces the window once',
+    '  grads = jax.lax.pmean(grads, "batch")',
+  ),
+)
+
+
+def _run_pmap_section(code: str) -> dict:
+  namespace = {"__name__": "docs_porting_pmap"}
+  exec(compile(code, "docs/porting.md, pmap section", "exec"), namespace)
+  return namespace
+
+
+def _pmap_collectives(ns: dict) -> dict:
+  mb = ns["shard"](ns["microbatches"][0])
+  return count_collectives(ns["p_train_step"].lower(ns["state"], mb).compile().as_text())
+
+
+def test_porting_pmap_section_equals_one_device_on_the_physical_batch():
+  """Issue 49, item 3: the pmap section's program (8 devices) is, on every replica, one device's
+  adamw on each window's rows as one batch; it all-reduces once per window, in the boundary,
+  where the program before the two-line change does so on every microstep."""
+  pytest.importorskip("flax")
+  from flax import jax_utils
+
+  (code,) = section_blocks(ROOT / "docs" / "porting.md", "`pmap` programs")
+  ns = _run_pmap_section(code)
+  assert ns["devices"] == jax.device_count() == 8
+  k, microbatches, params, loss_fn = ns["K"], ns["microbatches"], ns["params"], ns["loss_fn"]
+  state = ns["state"]
+  assert int(jax_utils.unreplicate(state).step) == len(microbatches) // k == 2
+
+  ref_tx = optax.adamw(1e-2)  # the block's inner optimizer, on one device
+  ref, ref_state = params, ref_tx.init(params)
+  for i in range(0, len(microbatches), k):
+    window = {key: np.concatenate([mb[key] for mb in microbatches[i : i + k]])
+              for key in microbatches[0]}  # fmt: skip
+    updates, ref_state = ref_tx.update(jax.grad(loss_fn)(ref, window), ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  for got, want, start in zip(*map(jax.tree.leaves, (state.params, ref, params)), strict=True):
+    assert got.shape == (8, *want.shape)
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-5, atol=1e-7)
+    assert np.abs(want - start).min() > 1e-3  # two real steps
+  counts = _pmap_collectives(ns)
+  assert counts["outside"]["all-reduce"] == 0 and counts["in_loop"]["all-reduce"] == 0, counts
+  assert counts["in_conditional"]["all-reduce"] == 1, counts  # one variadic psum per window
+
+  before = code  # the program before the two-line change
+  for after, was in PMAP_CHANGES:
+    assert before.count(after) == 1, after
+    before = before.replace(after, was)
+  old = _run_pmap_section(before)
+  assert _pmap_collectives(old)["outside"]["all-reduce"] >= 1  # on every microstep
+  drifted = [np.abs(x - x[:1]).max() for x in jax.tree.leaves(old["state"].params)]
+  assert max(drifted) > 1e-4, drifted  # the page's warning: the replicas drift apart

@@ -8,8 +8,15 @@ and plain optax).
 
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from _finite import assert_state_finite
 from _markdown import ROOT, python_blocks, run_blocks
+
+import optax_accum
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -109,6 +116,8 @@ def test_readme_python_blocks_run_in_order(tmp_path):
   ):
     i = next(i for i, c in enumerate(code) if marker in c)
     checks[i] = check
+  # The pre-flight is a line of the first example, before its training loop (issue 49).
+  assert code[0].index("testing.check_equivalence(") < code[0].index("for batch in microbatches")
   out = run_blocks(README, code, checks, tmp_path)
   assert out.count("ran]") == len(code)
   # What the text says the blocks print.
@@ -154,3 +163,117 @@ def test_readme_planning_block_runs_after_the_example():
   assert plan.num_compilations <= 2 + 20
   # Each row holds x (512 float32) at least: the line's slope counts it.
   assert plan.bytes_per_row >= 512 * 4
+
+
+def _weight_table() -> list[tuple[str, str, str]]:
+  """The README's weight table: (loss name, the loss's expression, the weight's expression)."""
+  text = README.read_text()
+  table = text.split("<!-- weight-table -->\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+  rows = []
+  for line in table:
+    loss, _, weight = (c.strip() for c in line.strip().strip("|").split(" | "))
+    name, code = re.fullmatch(r"([\w -]+?) `([^`]+)`", loss).groups()
+    rows.append((name, code, re.fullmatch(r"`([^`]+)`", weight).group(1)))
+  return rows
+
+
+def _weight_table_loss(code: str):
+  """The row's loss of a linear token model: ``per_token`` of ``x`` ``[rows, tokens, 3]``."""
+
+  def loss_fn(params, batch):
+    mask = batch["mask"]
+    per_token = (batch["x"] @ params["w"] - batch["y"]) ** 2
+    per_example = (per_token * mask).sum(1)  # any per-row loss
+    names = {"per_token": per_token, "per_example": per_example, "mask": mask, "batch": batch}
+    return eval(code, {"jnp": jnp}, names)
+
+  return loss_fn
+
+
+def _weight_of(code: str, batch) -> float:
+  return float(eval(code, {"jnp": jnp}, {"batch": batch, "mask": batch["mask"]}))
+
+
+def test_readme_weight_table_names_the_three_common_losses():
+  assert [name for name, _, _ in _weight_table()] == [
+    "per-example mean",
+    "masked token mean",
+    "row mean of token means",
+  ]
+
+
+@pytest.mark.parametrize(("name", "loss_code", "weight_code"), _weight_table(), ids=lambda v: v)
+def test_readme_weight_table_row_accumulates_to_the_physical_batch(name, loss_code, weight_code):
+  """Issue 49, item 1: each loss of the README's table, accumulated over microbatches of unequal
+  rows and tokens with the table's weight, is one step on ``jax.grad`` of the loss over all rows
+  at once, and on the same gradient worked by hand in float64; the other count (rows for
+  tokens, tokens for rows) is visibly off."""
+  rng = np.random.default_rng(49)
+  sizes = (2, 5, 3, 6)  # rows per microbatch
+  microbatches = []
+  for n in sizes:
+    mask = (rng.random((n, 4)) < 0.5).astype(np.float32)
+    mask[:, 0] = 1  # every row has a token: a row mean of token means is defined
+    microbatches.append(
+      {
+        "x": rng.normal(size=(n, 4, 3)).astype(np.float32),
+        "y": rng.normal(size=(n, 4)).astype(np.float32),
+        "mask": mask,
+      }
+    )
+  physical = {k: np.concatenate([mb[k] for mb in microbatches]) for k in microbatches[0]}
+  loss_fn = _weight_table_loss(loss_code)
+  params = {"w": jnp.asarray([0.3, -0.2, 0.1], jnp.float32)}
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=len(sizes))
+
+  def window(weights):
+    state, total = tx.init(params), jnp.zeros(3)
+    for mb, w in zip(microbatches, weights, strict=True):
+      updates, state = tx.update(jax.grad(loss_fn)(params, mb), state, params, weight=w)
+      total = total + updates["w"]
+    assert int(optax_accum.metrics(state).num_updates) == 1
+    return -total  # sgd(1.0): minus the window's gradient
+
+  expected = jax.grad(loss_fn)(params, physical)["w"]
+  given = [_weight_of(weight_code, mb) for mb in microbatches]
+  got = window(given)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+  # The same gradient in float64, by hand: d/dw of the table's loss of the physical batch.
+  x, y, m = (physical[k].astype(np.float64) for k in ("x", "y", "mask"))
+  r = x @ np.asarray(params["w"], np.float64) - y  # [rows, tokens]
+  d_token = 2 * r[..., None] * x  # d per_token / dw: [rows, tokens, 3]
+  by_rows = np.mean((m[..., None] * d_token).sum(1), axis=0)  # mean over rows of each row's sum
+  by_tokens = (m[..., None] * d_token).sum((0, 1)) / m.sum()
+  row_means = np.mean((m[..., None] * d_token).sum(1) / m.sum(1)[:, None], axis=0)
+  by_hand = {"per-example mean": by_rows, "masked token mean": by_tokens}
+  by_hand["row mean of token means"] = row_means
+  np.testing.assert_allclose(got, by_hand[name], rtol=1e-5, atol=1e-7)
+
+  rows = [mb["x"].shape[0] for mb in microbatches]
+  tokens = [float(mb["mask"].sum()) for mb in microbatches]
+  assert given in (rows, tokens)
+  wrong = window(tokens if given == rows else rows)
+  assert np.max(np.abs(wrong - expected)) > 1e-2 * np.max(np.abs(expected)), (wrong, expected)
+
+
+def test_readme_finiteness_sentence_holds():
+  """Issue 49, item 5: the params and the state after a boundary never hold NaN; a NaN gradient
+  fed in mid-window sits in the accumulator until the boundary skips the window."""
+  text = " ".join(README.read_text().split())
+  assert "The params, and the optimizer state after a boundary, never hold NaN" in text
+  assert "a NaN or Inf gradient fed in mid-window sits in the accumulator" in text
+  assert "the state never holds NaN" not in text
+  tx = optax_accum.accumulate(optax.adam(1e-2), every_k=3)
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  grads = [jnp.asarray([1.0, np.nan, 2.0, 0.5]), jnp.ones(4), jnp.full(4, 2.0)]
+  for i, g in enumerate(grads):
+    params, state = optax_accum.update_and_apply(tx, {"w": g}, state, params, weight=2.0)
+    m = optax_accum.metrics(state)
+    if i < len(grads) - 1:  # mid-window: the NaN is in the accumulator, nowhere else
+      assert int(m.mini_step) == i + 1
+      assert np.isnan(np.asarray(state.window.grad_sum["w"])).any()
+      assert_state_finite(state.inner_state)
+  assert int(m.mini_step) == 0 and int(m.num_skipped) == 1 and int(m.num_updates) == 0
+  assert_state_finite(state)  # after the boundary: every float leaf
+  np.testing.assert_array_equal(params["w"], np.ones(4))  # the window was skipped

@@ -155,10 +155,10 @@ TOKENS_52 = np.array([4 * c for c in C13_COUNTS]) / 52
 @pytest.mark.parametrize(
   ("loss_fn", "expected", "name", "fix"),
   [
-    (loss_a, ROWS_16, "rows (4 each)", "weight=x.shape[0]"),
+    (loss_a, ROWS_16, "rows (4 each)", "weight=batch['mask'].shape[0]"),
     (loss_b, TOKENS_52, "unmasked ['mask'] (4, 8, 16, 24)", "weight=batch['mask'].sum()"),
     # The sum over a row's tokens, then the mean over rows: a mean over rows (of sums).
-    (sequence_sum, ROWS_16, "rows (4 each)", "weight=x.shape[0]"),
+    (sequence_sum, ROWS_16, "rows (4 each)", "weight=batch['mask'].shape[0]"),
   ],
   ids=["c13_loss_a_row_mean", "c13_loss_b_token_mean", "sequence_sum"],
 )
@@ -190,6 +190,94 @@ def test_c13_the_fit_recovers_the_weights_the_loss_needs(loss_fn, expected, name
   # does with the wrong divisor.
   assert not bad.grad_in_step.ok(1e-5, 1e-6) and not bad.sgd_across_step.ok(1e-5, 1e-6)
   _verdict_agrees(bad)
+
+
+def _lm_batch(n, tokens_per_row, seed=0):
+  """A language-model-like batch dict of ``n`` rows (the leaves of a real program: ``inputs``,
+  ``targets``, ``loss_masks``); row ``i`` holds ``tokens_per_row[i % len(tokens_per_row)]``
+  real tokens of 6."""
+  rng = np.random.default_rng(seed)
+  valid = np.resize(tokens_per_row, n)
+  return {
+    "inputs": jnp.asarray(rng.normal(size=(n, 6, 5)), jnp.float32),
+    "targets": jnp.asarray(rng.normal(size=(n, 6)), jnp.float32),
+    "loss_masks": jnp.asarray(np.arange(6)[None] < valid[:, None], jnp.float32),
+  }
+
+
+def _lm_row_mean(p, b):
+  """Each row's token mean, then the mean over rows (EasyLM's loss): a mean over rows."""
+  per_token = (b["inputs"] @ p["w"] - b["targets"]) ** 2 * b["loss_masks"]
+  return jnp.mean(per_token.sum(1) / b["loss_masks"].sum(1))
+
+
+def _lm_token_mean(p, b):
+  """The token mean over the whole (micro)batch: a mean over its unmasked tokens."""
+  per_token = (b["inputs"] @ p["w"] - b["targets"]) ** 2 * b["loss_masks"]
+  return per_token.sum() / b["loss_masks"].sum()
+
+
+def test_the_rows_fix_names_the_leaf_of_the_users_own_batch():
+  """Issue 49: the fix for a row mean names a leaf the user's batch has, not ``x``; evaluated on
+  each microbatch it gives its rows, and passing it makes the check pass."""
+  batch = _lm_batch(16, (1, 2, 6, 3, 5, 4, 2, 1))
+  params = {"w": jnp.asarray(np.linspace(-0.5, 0.5, 5), jnp.float32)}
+  by_tokens = lambda mb: mb["loss_masks"].sum()
+  bad = testing.check_equivalence(
+    _lm_row_mean, params, batch, optax.sgd(1.0), num_microbatches=4, weight_fn=by_tokens
+  )
+  assert not bad.passed() and len(set(bad.weights)) > 1  # unequal tokens, equal rows
+  # The batch's first leaf (sorted keys: inputs, loss_masks, targets) is the one whose rows
+  # the pre-flight counted.
+  fix = "weight=batch['inputs'].shape[0]"
+  assert bad.verdict().endswith(f"use {fix} (the microbatch's rows)"), bad.verdict()
+  assert "x.shape" not in str(bad)
+  expression = fix.removeprefix("weight=")
+  micro = [jax.tree.map(lambda v, k=k: v[k::4], batch) for k in range(4)]  # the strided split
+  assert [eval(expression, {"batch": mb}) for mb in micro] == [4, 4, 4, 4]
+  good = testing.check_equivalence(
+    _lm_row_mean, params, batch, optax.sgd(1.0), num_microbatches=4,
+    weight_fn=lambda batch: eval(expression, {"batch": batch}),
+  )  # fmt: skip
+  assert good.passed(), str(good)
+  # A token mean over the same batch: the mask leaf, by its own path.
+  rows_given = testing.check_equivalence(
+    _lm_token_mean, params, batch, optax.sgd(1.0), num_microbatches=4
+  )
+  assert rows_given.verdict().endswith("use weight=batch['loss_masks'].sum()")
+
+
+def test_the_mean_of_means_row_says_when_this_batch_cannot_tell():
+  """Equal microbatches: the mean of means is exact too, and the row says so in words (not
+  "not checked: 0x the tolerance"); unequal ones: how many tolerances it is off, by hand."""
+  params = {"w": jnp.asarray(np.linspace(-0.5, 0.5, 5), jnp.float32)}
+  equal = _lm_batch(16, (3,))  # every row 3 tokens: every microbatch 12
+  report = testing.check_equivalence(
+    _lm_row_mean, params, equal, optax.sgd(1.0), num_microbatches=4,
+    weight_fn=lambda mb: mb["loss_masks"].sum(),
+  )  # fmt: skip
+  assert report.passed() and report.mean_of_means.ok(1e-5, 1e-6)
+  text = _verdict_agrees(report)
+  assert "0x the tolerance" not in text and "mean of means would give" not in text
+  assert "equal weights are also exact for this batch" in text
+  assert "cannot tell the mean of means from the right weights" in text
+
+  unequal = _lm_batch(16, (1, 2, 6, 3, 5, 4, 2, 1))  # 12, 12, 16, 8 tokens (strided)
+  tokens_of = lambda mb: mb["loss_masks"].sum()
+  report = testing.check_equivalence(
+    _lm_token_mean, params, unequal, optax.sgd(1.0), num_microbatches=4, weight_fn=tokens_of
+  )
+  assert report.passed()
+  # By hand: the equal-weights mean of the microbatches' gradients vs the batch's.
+  micro = [jax.tree.map(lambda v, k=k: v[k::4], unequal) for k in range(4)]
+  g_batch = jax.grad(_lm_token_mean)(params, unequal)["w"]
+  g_mean = jnp.mean(jnp.stack([jax.grad(_lm_token_mean)(params, mb)["w"] for mb in micro]), 0)
+  off = float(jnp.max(jnp.abs(g_mean - g_batch)))
+  tol = 1e-6 + 1e-5 * float(jnp.max(jnp.abs(g_batch)))
+  assert off > 100 * tol
+  line = next(x for x in str(report).splitlines() if x.startswith("mean of means"))
+  times = float(line.rsplit("not checked: ", 1)[1].removesuffix("x the tolerance").replace(",", ""))
+  np.testing.assert_allclose(times, off / tol, rtol=1e-3, atol=0.5)
 
 
 def _info_nce(p, b):

@@ -3,8 +3,9 @@
 The numbers in README.md between ``<!-- microstep-table:begin -->`` and
 ``<!-- microstep-table:end -->`` (and the ``eager-table`` markers), in docs/in_step.md
 between the ``mesh-table`` and ``preflight-table`` markers, in docs/scaling.md between the
-``hsdp-table`` and ``zero1-table`` markers and in docs/noise_scale.md between the
-``adaptive-table`` markers are never edited by hand: run the benchmarks, then this script. The
+``hsdp-table`` and ``zero1-table`` markers, in docs/noise_scale.md between the
+``adaptive-table`` markers and in docs/porting.md between the ``drift-table`` markers are never
+edited by hand: run the benchmarks, then this script. The
 demo's printed samples (README.md's ``demo-sample``, docs/demo.md's ``demo-output`` and
 ``demo-every-k``, docs/planning.md's ``demo-plan`` and ``demo-refusal``) are rendered from
 recorded runs (``optax-accum demo --record``) the same way.
@@ -25,6 +26,7 @@ recorded runs (``optax-accum demo --record``) the same way.
   optax-accum demo --quick --microbatch-size 100000000 \\
       --record benchmarks/results/demo_refusal.json
   python benchmarks/adaptive_windows.py --out benchmarks/results/adaptive_windows.json
+  python benchmarks/float32_drift.py --out benchmarks/results/float32_drift.json
   python benchmarks/render_tables.py            # rewrites the README blocks
   python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
 """
@@ -43,6 +45,9 @@ JSON = ROOT / "benchmarks" / "results" / "microstep.json"
 EAGER_JSON = ROOT / "benchmarks" / "results" / "eager.json"
 TRAIN_STEP_JSON = ROOT / "benchmarks" / "results" / "train_step_8dev.json"
 ADAPTIVE_JSON = ROOT / "benchmarks" / "results" / "adaptive_windows.json"
+DRIFT_JSON = ROOT / "benchmarks" / "results" / "float32_drift.json"
+PORTING_DOC = ROOT / "docs" / "porting.md"
+DRIFT = ("<!-- drift-table:begin -->", "<!-- drift-table:end -->")
 NOISE_DOC = ROOT / "docs" / "noise_scale.md"
 ADAPTIVE = ("<!-- adaptive-table:begin -->", "<!-- adaptive-table:end -->")
 ADAPTIVE_ARMS = ("fixed", "adaptive", "adaptive_same_lr", "fixed_mean")
@@ -371,6 +376,41 @@ def render_adaptive(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def render_drift(report: dict[str, Any]) -> str:
+  """docs/porting.md's table of float32_drift.py: each run's largest loss gap to the physical
+  run, per compute dtype and optimizer, next to ``optax.MultiSteps``'."""
+  runs = report["runs"]
+  inners = list(runs[0]["results"])
+  head = ["compute"]
+  for name in inners:
+    head += [f"{name}: `accumulate`", f"{name}: `optax.MultiSteps`"]
+  lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+  for run in runs:
+    cells = [run["config"]["compute_dtype"]]
+    for name in inners:
+      gap = run["results"][name]["gap"]
+      cells += [f"{gap['accumulate']:.1e}", f"{gap['multisteps']:.1e}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  c, first = runs[0]["config"], runs[0]["results"]
+  rates = ", ".join(f"{name}({first[name]['learning_rate']:g})" for name in inners)
+  final = "; ".join(
+    f"{name} {first[name]['physical_loss'][0]:.2f}, {first[name]['physical_loss'][-1]:.2f}"
+    for name in inners
+  )
+  m = report["machine"]
+  lines += [
+    "",
+    f"The largest difference of a run's held-out loss from the physical run's over"
+    f" {c['updates']} updates, nats per token ({c['held_out_rows']} held-out rows);"
+    f" {c['model']} ({c['num_params']:,} params, float32), K={c['every_k']} microbatches of"
+    f" {c['microbatch_size']} full rows, {rates} (the physical run's held-out loss after the"
+    f" first and the last update: {final}). {m['cpu_count']}-core {m['processor']} CPU, jax"
+    f" {m['jax']}, optax {m['optax']}. Source: `benchmarks/results/float32_drift.json`,"
+    " rendered by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
 def _where(record: dict[str, Any]) -> str:
   m = record["machine"]
   return f"{m['cpu_count']}-core {m['processor']} CPU, jax {m['jax']}, flax {m['flax']}"
@@ -470,6 +510,7 @@ def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
     (PLANNING_DOC, DEMO_PLAN, _indent(render_demo_plan(plans), "  ")),
     (PLANNING_DOC, DEMO_REFUSAL, _indent(render_demo_refusal(_record("demo_refusal.json")), "  ")),
     (NOISE_DOC, ADAPTIVE, render_adaptive(json.loads(ADAPTIVE_JSON.read_text()))),
+    (PORTING_DOC, DRIFT, render_drift(json.loads(DRIFT_JSON.read_text()))),
   ]
 
 

@@ -368,7 +368,10 @@ class EquivalenceReport(NamedTuple):
     lines.append(f"updates applied: {self.num_updates} (1 expected)")
     lines.append(
       "* plus, per element, how far the inner update moves when the gradient moves by its\n"
-      "  tolerance (Adam's first step g / (|g| + eps) is steep where |g| is near eps)"
+      "  tolerance (Adam's first step g / (|g| + eps) is steep where |g| is near eps). Over a\n"
+      "  run the two paths round differently at every update and the runs can drift apart,\n"
+      "  more with 16-bit compute; optax.MultiSteps' run drifts as far (docs/porting.md,\n"
+      "  'Comparing with the physical run')"
     )
     return "\n".join(lines)
 

@@ -7,12 +7,14 @@ other block runs. After some blocks a check recomputes the page's claim.
 """
 
 import ast
+import inspect
 import re
 
 import jax
 import numpy as np
 import optax
 import pytest
+from _api import public_names
 from _markdown import ROOT, commented_sample, python_blocks, run_blocks, same_output, section_blocks
 
 from optax_accum.testing import count_collectives
@@ -336,3 +338,32 @@ def test_porting_pmap_section_equals_one_device_on_the_physical_batch():
   assert _pmap_collectives(old)["outside"]["all-reduce"] >= 1  # on every microstep
   drifted = [np.abs(x - x[:1]).max() for x in jax.tree.leaves(old["state"].params)]
   assert max(drifted) > 1e-4, drifted  # the page's warning: the replicas drift apart
+
+
+def _accumulate_parameters() -> list[str]:
+  """``accumulate``'s named parameters (no ``*args`` or ``**kwargs`` catch-all)."""
+  import optax_accum
+
+  params = inspect.signature(optax_accum.accumulate).parameters.values()
+  variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+  return [p.name for p in params if p.kind not in variadic]
+
+
+def test_changelog_counts_are_the_codes():
+  """Issue 49, item 5: the release notes' counts of public names and of accumulate's parameters
+  are computed from the code here, never trusted as typed (they said 29 and 8 at 30 and 9)."""
+  text = " ".join((ROOT / "CHANGELOG.md").read_text().split())
+  release = text.split("## [", 2)[1]  # the newest release's section
+  params = re.search(r"`accumulate` takes (\d+) named parameters", release)
+  names = re.search(r"The public surface is (\d+) names", release)
+  assert params and names, "the newest release no longer states its counts: update this test"
+  assert int(params.group(1)) == len(_accumulate_parameters()), _accumulate_parameters()
+  assert int(names.group(1)) == len(public_names()), [n for n, _ in public_names()]
+
+
+def test_design_names_accumulates_parameters():
+  """docs/design.md's signature of accumulate lists its parameters, in order."""
+  text = " ".join((ROOT / "docs" / "design.md").read_text().split())
+  listed = re.search(r"`accumulate\(([^)]*)\)` composes like optax", text).group(1)
+  names = [n.strip() for n in listed.split(",") if n.strip() != "*"]
+  assert names == _accumulate_parameters()

@@ -9,7 +9,6 @@ machine cannot fetch) and executes no notebook.
 """
 
 import html
-import importlib
 import inspect
 import json
 import os
@@ -19,6 +18,7 @@ import sys
 
 import pytest
 import yaml
+from _api import public_names
 from _markdown import ROOT
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
@@ -57,20 +57,9 @@ def test_project_urls_and_read_the_docs_build_this_site():
   assert (DOCS / "notebooks").resolve() == ROOT / "notebooks"  # the link the site reads them by
 
 
-def _public_names() -> list[tuple[str, object]]:
-  sys.path.insert(0, str(DOCS / "_ext"))
-  try:
-    api_pages = importlib.import_module("api_pages")
-  finally:
-    sys.path.remove(str(DOCS / "_ext"))
-  return [
-    (f"{m.__name__}.{n}", getattr(m, n)) for m in api_pages.public_modules() for n in m.__all__
-  ]
-
-
 def test_every_public_name_has_an_example():
   """Its page shows a ``>>>`` example (run as a doctest by the suite: --doctest-modules)."""
-  names = _public_names()
+  names = public_names()
   assert len(names) >= 29
   assert [n for n, obj in names if ">>>" not in (inspect.getdoc(obj) or "")] == []
 
@@ -124,7 +113,7 @@ def _check_links(site):
 
 
 def _check_api(site):
-  names = _public_names()
+  names = public_names()
   assert len(names) >= 29  # 0.4's public surface (CHANGELOG)
   for fullname, obj in names:
     page = site / "api" / f"{fullname}.html"

@@ -9,6 +9,7 @@ import models
 import numpy as np
 import optax
 import pytest
+from _markdown import ROOT
 
 from optax_accum import testing
 from optax_accum.pitfalls import PitfallWarning
@@ -278,6 +279,20 @@ def test_the_mean_of_means_row_says_when_this_batch_cannot_tell():
   line = next(x for x in str(report).splitlines() if x.startswith("mean of means"))
   times = float(line.rsplit("not checked: ", 1)[1].removesuffix("x the tolerance").replace(",", ""))
   np.testing.assert_allclose(times, off / tol, rtol=1e-3, atol=0.5)
+
+
+def test_the_footnote_points_a_long_comparison_to_the_porting_guide():
+  """A drift over a run reads like a library fault; the report's note says it is rounding that
+  optax.MultiSteps shares, and where it is measured (a section docs/porting.md has)."""
+  report = testing.check_equivalence(
+    _lm_row_mean, {"w": jnp.zeros(5)}, _lm_batch(4, (3,)), optax.adam(1e-3),
+    num_microbatches=2,
+  )  # fmt: skip
+  text = " ".join(str(report).split())
+  assert "the runs can drift apart, more with 16-bit compute; optax.MultiSteps' run drifts" in text
+  section = text.split("(docs/porting.md, '", 1)[1].split("')", 1)[0]
+  headings = [h for h in (ROOT / "docs" / "porting.md").read_text().splitlines() if h[:3] == "## "]
+  assert f"## {section}" in headings, (section, headings)
 
 
 def _info_nce(p, b):

@@ -121,13 +121,8 @@ def leaves_case(num_leaves: int, variant: str) -> tuple[Callable, tuple]:
   tx = make_tx(variant)
   update = apply(variant, tx)
   step = lambda params, state, grads, value: update(grads, state, params, value)
-  value = jax.ShapeDtypeStruct((), jnp.float32)
-  return jax.jit(step, donate_argnums=(0, 1)), (
-    params,
-    jax.eval_shape(tx.init, params),
-    params,
-    value,
-  )
+  args = (params, jax.eval_shape(tx.init, params), params, jax.ShapeDtypeStruct((), jnp.float32))
+  return jax.jit(step, donate_argnums=(0, 1)), args
 
 
 def transformer_case(depth: int, variant: str) -> tuple[Callable, tuple]:

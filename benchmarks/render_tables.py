@@ -4,8 +4,9 @@ The numbers in README.md between ``<!-- microstep-table:begin -->`` and
 ``<!-- microstep-table:end -->`` (and the ``eager-table`` markers), in docs/in_step.md
 between the ``mesh-table`` and ``preflight-table`` markers, in docs/scaling.md between the
 ``hsdp-table`` and ``zero1-table`` markers, in docs/noise_scale.md between the
-``adaptive-table`` markers and in docs/porting.md between the ``drift-table`` markers are never
-edited by hand: run the benchmarks, then this script. The
+``adaptive-table`` markers, in docs/porting.md between the ``drift-table`` markers, in
+docs/performance.md between the ``compile-table`` markers and in README.md between the
+``compile-summary`` markers are never edited by hand: run the benchmarks, then this script. The
 demo's printed samples (README.md's ``demo-sample``, docs/demo.md's ``demo-output`` and
 ``demo-every-k``, docs/planning.md's ``demo-plan`` and ``demo-refusal``) are rendered from
 recorded runs (``optax-accum demo --record``) the same way.
@@ -27,6 +28,7 @@ recorded runs (``optax-accum demo --record``) the same way.
       --record benchmarks/results/demo_refusal.json
   python benchmarks/adaptive_windows.py --out benchmarks/results/adaptive_windows.json
   python benchmarks/float32_drift.py --out benchmarks/results/float32_drift.json
+  python benchmarks/compile.py --out benchmarks/results/compile.json
   python benchmarks/render_tables.py            # rewrites the README blocks
   python benchmarks/render_tables.py --check    # exit 1 if README and JSON disagree
 """
@@ -90,6 +92,23 @@ HSDP_ROWS = [
   ("across_step_jit", "across-step, plain `jit` with the mesh set (before)"),
   ("across_step_shard_map", 'across-step, HSDP `shard_map`, `axis_name="replica"` (after)'),
   ("in_step", 'in-step, `jit`, `axis_name="replica"`'),
+]
+COMPILE_JSON = ROOT / "benchmarks" / "results" / "compile.json"
+PERFORMANCE_DOC = ROOT / "docs" / "performance.md"
+COMPILE = ("<!-- compile-table:begin -->", "<!-- compile-table:end -->")
+COMPILE_SUMMARY = ("<!-- compile-summary:begin -->", "<!-- compile-summary:end -->")
+# (variant, label) of compile.py's rows, in order; all_features is against multisteps_clip.
+COMPILE_ROWS = [
+  ("adam", "plain `optax.adam` step"),
+  ("multisteps", "`optax.MultiSteps(adam, 4)` + `optax.apply_updates`"),
+  ("accumulate", "`accumulate(adam, 4)` + `optax.apply_updates`"),
+  ("update_and_apply", "`update_and_apply(accumulate(adam, 4), ...)`"),
+  ("multisteps_clip", "`optax.MultiSteps(chain(clip, adam), 4)` + `optax.apply_updates`"),
+  (
+    "all_features",
+    "`accumulate(chain(clip, adam), 4, loss_scale=dynamic_loss_scale(), skip_if=spike_rule())`,"
+    " `value=` (x the row above)",
+  ),
 ]
 BEGIN, END = "<!-- microstep-table:begin -->", "<!-- microstep-table:end -->"
 EAGER = ("<!-- eager-table:begin -->", "<!-- eager-table:end -->")
@@ -209,6 +228,72 @@ def render_eager(report: dict[str, Any]) -> str:
     " `benchmarks/results/eager.json`, rendered by `benchmarks/render_tables.py`.",
   ]
   return "\n".join(lines)
+
+
+def _compile_model(result: dict[str, Any]) -> str:
+  if result["model"] == "transformer":
+    return f"{result['depth']}-block transformer ({result['leaves']} leaves)"
+  return f"{result['leaves']} leaves"
+
+
+def _compile_table(results: list[dict[str, Any]], head: str, cell: Any) -> list[str]:
+  """One row per variant, one column per model; ``cell(variant, reference)`` of a model's rows."""
+  lines = [
+    f"| {head} | " + " | ".join(_compile_model(r) for r in results) + " |",
+    "| --- | " + " | ".join("---" for _ in results) + " |",
+  ]
+  for key, label in COMPILE_ROWS:
+    ref = "multisteps_clip" if key == "all_features" else "multisteps"
+    cells = [cell(r["variants"][key], r["variants"][ref]) for r in results]
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  return lines
+
+
+def render_compile(report: dict[str, Any]) -> str:
+  """docs/performance.md's tables of benchmarks/compile.py: compile and trace seconds, fusions."""
+  results = report["results"]
+  compile_s = lambda v, ref: f"{v['compile_s']:.2f} ({v['compile_s'] / ref['compile_s']:.1f}x)"
+
+  def trace_s(v: dict[str, Any], ref: dict[str, Any]) -> str:
+    total, ref_total = v["trace_s"] + v["lower_s"], ref["trace_s"] + ref["lower_s"]
+    return f"{v['trace_s']:.2f} + {v['lower_s']:.2f} ({total / ref_total:.1f}x)"
+
+  fusions = lambda v, ref: f"{v['distinct_fusions']} / {v['fusions']}"
+  lines = _compile_table(results, "compile s, CPU (x MultiSteps)", compile_s)
+  lines += ["", *_compile_table(results, "trace + lower s, CPU (x MultiSteps)", trace_s)]
+  lines += ["", *_compile_table(results, "fused computations: distinct / fusions", fusions)]
+  m = report["machine"]
+  repeats = results[0]["variants"]["adam"]["repeats"]
+  lines += [
+    "",
+    f"{f'Medians of {repeats} fresh processes' if repeats > 1 else 'One fresh process'} per"
+    " case, each timing one jitted step (params and"
+    " state donated, every_k 4) traced, lowered and compiled from abstract arguments, with no"
+    " compilation cache; `time.process_time`, the CPU seconds of all the process's threads (wall"
+    f" times are in the JSON); leaves of shape {tuple(report['leaf_shape'])} float32."
+    f" {m['cpu_count']}-core {m['processor']} shared with other jobs, jax {m['jax']}, optax"
+    f" {m['optax']}, {report['date'][:10]}. Source: `benchmarks/results/compile.json`, rendered"
+    " by `benchmarks/render_tables.py`.",
+  ]
+  return "\n".join(lines)
+
+
+def render_compile_summary(report: dict[str, Any]) -> str:
+  """README.md's sentence on compile time: the largest model's cost beyond a plain adam step."""
+  r = report["results"][-1]
+  adam, extra = r["variants"]["adam"]["compile_s"], r["ratios"]["extra_compile_over_adam_s"]
+  times = {
+    name: f"{extra[name]:.1f} s" for name in ("accumulate", "update_and_apply", "multisteps")
+  }
+  ratio = r["ratios"]["accumulate_extra_over_multisteps_extra"]
+  return (
+    f"**Compile time.** Compiling one train step of a {_compile_model(r)} takes {adam:.1f} s"
+    f" (CPU) with plain adam; `accumulate` + `optax.apply_updates` adds {times['accumulate']},"
+    f" `update_and_apply` {times['update_and_apply']} and `optax.MultiSteps`"
+    f" {times['multisteps']} ({ratio:.1f}x MultiSteps' extra for `accumulate`); per tree size"
+    " and with every feature on:"
+    " [Compile time](https://optax-accum.readthedocs.io/en/latest/performance.html#compile-time)."
+  )
 
 
 def _timing(v: dict[str, Any]) -> str:
@@ -497,6 +582,7 @@ def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
   """Each rendered block's page, its markers and the table today's JSON renders to."""
   train_step = json.loads(TRAIN_STEP_JSON.read_text())
   plans = [_record("demo_plan_200MB.json"), _record("demo_plan_20MB.json")]
+  compile_report = json.loads(COMPILE_JSON.read_text())
   return [
     (README, (BEGIN, END), render(json.loads(JSON.read_text()))),
     (README, EAGER, render_eager(json.loads(EAGER_JSON.read_text()))),
@@ -511,6 +597,8 @@ def tables() -> list[tuple[pathlib.Path, tuple[str, str], str]]:
     (PLANNING_DOC, DEMO_REFUSAL, _indent(render_demo_refusal(_record("demo_refusal.json")), "  ")),
     (NOISE_DOC, ADAPTIVE, render_adaptive(json.loads(ADAPTIVE_JSON.read_text()))),
     (PORTING_DOC, DRIFT, render_drift(json.loads(DRIFT_JSON.read_text()))),
+    (PERFORMANCE_DOC, COMPILE, render_compile(compile_report)),
+    (README, COMPILE_SUMMARY, render_compile_summary(compile_report)),
   ]
 
 

@@ -82,3 +82,36 @@ def test_quick_eager_benchmark(tmp_path):
   for name, ms in res["ms"].items():
     assert 0 < ms < 1e5 and abs(res["over_adam"][name] - ms / res["ms"]["adam"]) < 1e-9
   render_tables.render_eager(report)  # the quick report renders too
+
+
+@pytest.mark.slow
+def test_quick_compile_benchmark(tmp_path):
+  """compile.py --quick: every variant of each model timed in its own process, the ratios from the
+  same run, the fusion counts of tests/_hlo.py."""
+  out = tmp_path / "compile.json"
+  _, err = (proc := _start("compile.py", out)).communicate(timeout=600)
+  assert proc.returncode == 0, err.decode()[-3000:]
+  report = json.loads(out.read_text())
+  assert report["benchmark"] == "compile" and report["machine"]["jax"] and report["date"]
+  leaves, transformer = report["results"]
+  assert (leaves["model"], leaves["leaves"]) == ("leaves", 100)
+  assert transformer["model"] == "transformer" and transformer["depth"] == 2
+  for res in (leaves, transformer):
+    v = res["variants"]
+    assert set(v) == {key for key, _ in render_tables.COMPILE_ROWS}
+    for row in v.values():
+      assert row["repeats"] == 1 and 0 < row["fusions"] and 0 < row["distinct_fusions"]
+      assert row["distinct_fusions"] <= row["fusions"]
+      for phase in ("trace", "lower", "compile"):
+        assert 0 < row[f"{phase}_s"] < 600 and row[f"{phase}_samples_s"] == [row[f"{phase}_s"]]
+    r = res["ratios"]
+    for name, ref in [("accumulate", "multisteps"), ("all_features", "multisteps_clip")]:
+      assert (
+        abs(r[f"{name}_over_{ref}"]["compile"] - v[name]["compile_s"] / v[ref]["compile_s"]) < 1e-9
+      )
+    extra = {name: v[name]["compile_s"] - v["adam"]["compile_s"] for name in v if name != "adam"}
+    assert r["extra_compile_over_adam_s"] == pytest.approx(extra, abs=1e-12)
+  # A plain adam step on equal leaves: its kernels do not depend on the number of leaves.
+  assert leaves["variants"]["adam"]["distinct_fusions"] < leaves["leaves"]
+  render_tables.render_compile(report)  # the quick report renders too
+  render_tables.render_compile_summary(report)

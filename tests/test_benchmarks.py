@@ -94,8 +94,8 @@ def test_quick_compile_benchmark(tmp_path):
   report = json.loads(out.read_text())
   assert report["benchmark"] == "compile" and report["machine"]["jax"] and report["date"]
   leaves, transformer = report["results"]
-  assert (leaves["model"], leaves["leaves"]) == ("leaves", 100)
-  assert transformer["model"] == "transformer" and transformer["depth"] == 2
+  assert (leaves["model"], leaves["leaves"]) == ("leaves", 16)
+  assert transformer["model"] == "transformer" and transformer["depth"] == 1
   for res in (leaves, transformer):
     v = res["variants"]
     assert set(v) == {key for key, _ in render_tables.COMPILE_ROWS}

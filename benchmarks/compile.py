@@ -32,7 +32,7 @@ time beyond ``adam``'s. docs/performance.md's compile table is rendered from thi
 ``benchmarks/render_tables.py``.
 
   python benchmarks/compile.py --out benchmarks/results/compile.json
-  python benchmarks/compile.py --quick                 # CI smoke run: 16 leaves, depth 1
+  python benchmarks/compile.py --quick                 # CI smoke run: 16 leaves, no transformer
   python benchmarks/compile.py --leaves 100 400 --depth 0 --variants accumulate multisteps
 """
 
@@ -249,14 +249,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--repeats", type=int, default=3, help="fresh processes per case")
   parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
   parser.add_argument("--out", default=None, help="write the JSON here (else stdout)")
-  parser.add_argument("--quick", action="store_true", help="16 leaves, depth 1, 1 repeat")
+  parser.add_argument("--quick", action="store_true", help="16 leaves, no transformer, 1 repeat")
   parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in this process
   args = parser.parse_args(argv)
   if args.case:
     print(json.dumps(run_case(json.loads(args.case))))
     return {}
   if args.quick:
-    args.leaves, args.depth, args.repeats = [16], 1, 1
+    args.leaves, args.depth, args.repeats = [16], 0, 1
   if args.repeats < 1 or any(n < 1 for n in args.leaves) or args.depth < 0:
     parser.error("--repeats and --leaves take positive counts, --depth one >= 0")
   models = [{"model": "leaves", "leaves": n} for n in args.leaves]

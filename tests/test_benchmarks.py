@@ -93,10 +93,9 @@ def test_quick_compile_benchmark(tmp_path):
   assert proc.returncode == 0, err.decode()[-3000:]
   report = json.loads(out.read_text())
   assert report["benchmark"] == "compile" and report["machine"]["jax"] and report["date"]
-  leaves, transformer = report["results"]
+  (leaves,) = report["results"]  # --quick: no transformer (six processes, not twelve, in CI)
   assert (leaves["model"], leaves["leaves"]) == ("leaves", 16)
-  assert transformer["model"] == "transformer" and transformer["depth"] == 1
-  for res in (leaves, transformer):
+  for res in (leaves,):
     v = res["variants"]
     assert set(v) == {key for key, _ in render_tables.COMPILE_ROWS}
     for row in v.values():

@@ -115,17 +115,19 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
 
   def exact(_):
     # One rescaled pass, no max (XLA:CPU's large reduce-max drops NaN; other backends'
-    # reductions have too): the squares of g * s with s a power of two (exact scaling) chosen
-    # by why the fast path failed: 2**-100 for a large or non-finite sum of squares (a finite
-    # float32 element then squares to at most 7e16, so the sum is finite iff every element
-    # is: IEEE squares and sums propagate NaN and Inf), 2**100 for an underflowed one (every
-    # element is then finite and tiny). The norm of the mean is then sqrt(sum) / |d| / s.
-    shift = jnp.where(underflow, 100.0, -100.0).astype(dtype)
-    scale = jnp.exp2(shift)
+    # reductions have too): the squares of g * s, in `dtype` (float32 or wider), with s a power
+    # of two (exact scaling) chosen by why the fast path failed: 2**-k for a large or
+    # non-finite sum of squares (2**31 squares of the leaves' largest finite value, scaled,
+    # then stay finite in `dtype`, so the sum is finite iff every element is: IEEE squares and
+    # sums propagate NaN and Inf), 2**k for an underflowed one (every element is then finite
+    # and tiny). k = 80 for float32 or bfloat16 leaves, 0 for float16 ones (their squares fit
+    # float32 unscaled). The norm of the mean is sqrt(sum) / (s * |d|).
+    k = max(_scale_exponent(x.dtype, dtype) for x in leaves)
+    scale = jnp.where(underflow, 2.0**k, 2.0**-k).astype(dtype)
     scaled_sq = optax.tree.norm(
-      jax.tree.map(lambda x: x * scale.astype(x.dtype), g_sum), squared=True
+      jax.tree.map(lambda x: x.astype(dtype) * scale, g_sum), squared=True
     ).astype(dtype)
-    norm = jnp.where(nonzero, jnp.sqrt(scaled_sq) / absd, jnp.zeros((), dtype)) / scale
+    norm = jnp.where(nonzero, jnp.sqrt(scaled_sq) / (scale * absd), jnp.zeros((), dtype))
     finite = jnp.isfinite(scaled_sq) & jnp.isfinite(norm)
     for dt in {x.dtype for x in leaves}:  # each element of the mean fits the leaf's dtype
       finite = finite & (norm < jnp.asarray(float(jnp.finfo(dt).max), dtype))
@@ -136,6 +138,18 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   # The constant True is built from `bound` so that it has the same device variance
   # (shard_map with check_vma=True) as the exact branch's result.
   return jax.lax.cond(fast, lambda _: (bound, jnp.isfinite(bound)), exact, None)
+
+
+def _scale_exponent(leaf: Any, wide: Any) -> int:
+  """The power of two ``k`` that keeps ``2**31`` squares of ``leaf``'s largest finite value,
+  times ``2**-k``, finite in ``wide`` (0 where they already are: float16 in float32).
+
+  Examples:
+    >>> _scale_exponent(jnp.float32, jnp.float32), _scale_exponent(jnp.float16, jnp.float32)
+    (80, 0)
+  """
+  emax = lambda d: int(jnp.finfo(d).maxexp)
+  return max(0, emax(leaf) + 16 - emax(wide) // 2)
 
 
 def mean_dtypes(grads: PyTree, params: PyTree | None) -> PyTree:

@@ -179,6 +179,26 @@ def test_norm_of_tiny_sums_does_not_underflow(scale):
   np.testing.assert_allclose(norm, 5.0, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+  "value, dtype, denom, norm",
+  [
+    (300.0, jnp.float16, 1.0, 600.0),  # squares overflow float16: 4 * 300**2 > 65504
+    (1e-4, jnp.float16, 1.0, 2e-4),  # squares underflow float16's tiny / eps
+    (1e-20, jnp.float32, 1e-37, 2e17),  # squares underflow, a tiny divisor: 2e-20 / 1e-37
+    (1e30, jnp.float32, 1.0, 2e30),  # squares overflow float32
+  ],
+)
+def test_the_rescaled_pass_gives_the_norm_by_hand(value, dtype, denom, norm):
+  """The exact branch of norm_and_finite: |(v, v, v, v)| / d = 2 v / d, for each way the fast
+  sum of squares fails (float16 leaves are scaled in float32, not by a power of two that float16
+  cannot hold)."""
+  got, finite = jax.jit(_numerics.norm_and_finite)(
+    {"a": jnp.full(4, value, dtype)}, jnp.float32(denom)
+  )
+  assert bool(finite)
+  np.testing.assert_allclose(float(got), norm, rtol=2e-3 if dtype == jnp.float16 else 1e-6)
+
+
 def test_tiny_weights_are_clipped_in_accumulate():
   """Issue 11, item 6: weight=1e-25 with a 0.5 clip: grad_norm was 0 and nothing clipped.
 

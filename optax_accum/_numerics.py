@@ -125,7 +125,7 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
     k = max(_scale_exponent(x.dtype, dtype) for x in leaves)
     scale = jnp.where(underflow, 2.0**k, 2.0**-k).astype(dtype)
     scaled_sq = optax.tree.norm(
-      jax.tree.map(lambda x: x.astype(dtype) * scale, g_sum), squared=True
+      jax.tree.map(lambda x: x.astype(promote_types(x.dtype, dtype)) * scale, g_sum), squared=True
     ).astype(dtype)
     norm = jnp.where(nonzero, jnp.sqrt(scaled_sq) / (scale * absd), jnp.zeros((), dtype))
     finite = jnp.isfinite(scaled_sq) & jnp.isfinite(norm)

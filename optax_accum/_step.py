@@ -81,10 +81,13 @@ def run(config, output, compiled, grads, state, params, extra):
   Under a trace this is :func:`step`. Eagerly, the checks of concrete values (the weight, a
   denominator schedule's value) run here and the step runs as ``compiled[output]``, ``accumulate``'s
   cached ``jax.jit`` of :func:`step`, instead of tracing both ``lax.cond`` branches each call.
+  The structural checks (``check_inputs``) run when that program is traced: once per tree
+  structure, shapes and dtypes, which is all they read.
   """
   if not _concrete((grads, state, params, extra)):
     return step(config, output, grads, state, params, **extra)
-  check_inputs(config, grads, state, params)
+  if not isinstance(state, st.AccumulationState):
+    check_inputs(config, grads, state, params)  # its TypeError, before reading state.window
   extra = dict(extra)
   args = [extra.pop("weight", 1), extra.pop("flush", False), extra.pop("value", None)]
   w, flush, value = _check_args(*args)
@@ -458,12 +461,9 @@ def check_trees(grads: PyTree, acc: PyTree | None, params: PyTree, override: Any
         )
     wanted = _numerics.accumulator_dtype(g.dtype, override)  # a non-float gradient raises
     # The accumulator's dtype, or (every_k=1 keeps none) the one init makes from the params.
-    if acc is not None:
-      a_dtype = rest[0].dtype
-    elif params is not None:
-      a_dtype = _numerics.accumulator_dtype(rest[-1].dtype, override)
-    else:
-      continue
+    a_dtype = (
+      rest[0].dtype if acc is not None else _numerics.accumulator_dtype(rest[-1].dtype, override)
+    )
     if _numerics.promote_types(a_dtype, wanted) != a_dtype:
       raise TypeError(
         f"Gradient leaf {name} is {g.dtype} but the accumulator is {a_dtype}, which "

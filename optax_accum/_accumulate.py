@@ -27,6 +27,7 @@ from optax_accum import (
   _every_k,
   _guard,
   _loss_scale,
+  _metrics,
   _noise_scale,
   _numerics,
   _pitfalls,
@@ -195,9 +196,10 @@ def accumulate(
     **extra_args: forwarded to ``inner.update`` on the boundary call.
 
   Raises:
-    TypeError, ValueError: at construction, naming a bad argument; at trace time for a
-      non-scalar, boolean, concrete negative or unrepresentable weight, grads that do not
-      match the state or params, device-varying params under ``axis_name``, and a state whose
+    TypeError, ValueError: at construction, naming a bad argument (or two features that show
+      the same metric); at trace time for a non-scalar, boolean, concrete negative or
+      unrepresentable weight, grads that do not match the state or params, device-varying
+      params under ``axis_name``, and a state whose
       sub-states or inner state do not have this configuration's structure (the
       configuration itself lives in the closure, as optax's: ``sharding.check_compatible``).
 
@@ -248,11 +250,15 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
       o.check_aggregation(aggregation.weighted_mean)
   _checks.axis_names(axis_name)
   always_closes = isinstance(policy, _every_k.CountWindow) and policy.always_closes
+  guards = _guard.guards(skip_if)
+  features = {"every_k=": policy, "skip_if=": guards}
+  features.update({f"observe[{i}]": o for i, o in enumerate(observers)})
+  _metrics.check_names(features)
   return _step.Config(
     inner=optax.with_extra_args_support(inner),
     policy=policy,
     loss_scale=_loss_scale.policy(loss_scale),
-    guards=_guard.guards(skip_if),
+    guards=guards,
     aggregation=aggregation,
     observers=observers,
     axis_name=axis_name,

@@ -148,6 +148,32 @@ def metrics(opt_state: PyTree) -> Metrics:
   )
 
 
+def check_names(features: dict[str, Any]) -> None:
+  """Raises unless each metric name is shown by one feature (``metrics()`` reads them flat).
+
+  Args:
+    features: by the argument that configured it (``"every_k="``, ``"observe[0]"``), each
+      feature object (its ``init()`` is traced, not run).
+
+  Raises:
+    ValueError: naming the metric and the two features that show it (an adaptive window
+      estimates the noise scale itself; ``observe=(noise_scale(),)`` beside it would show a
+      second ``noise_scale``, and ``Metrics.noise_scale`` could hold only one of them).
+  """
+  shown = jax.eval_shape(lambda: {where: _read(f.init()) for where, f in features.items()})
+  shown_by: dict[str, str] = {}
+  for where, read in shown.items():
+    for name in read if isinstance(read, dict) else ():
+      if name in shown_by:
+        raise ValueError(
+          f"{shown_by[name]} and {where} both show the metric {name!r}, and "
+          f"optax_accum.metrics() has one {name} field. Keep one of them (an "
+          "every_k=adaptive_window(...) already estimates the noise scale: drop a "
+          "noise_scale() observer beside it; observe one noise_scale)."
+        )
+      shown_by[name] = where
+
+
 def _read(sub: Any) -> Any:
   """A sub-state's ``metrics()`` dict, or the sub-state where it defines none."""
   return sub.metrics() if callable(getattr(sub, "metrics", None)) else sub

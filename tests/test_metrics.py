@@ -4,6 +4,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -65,3 +66,39 @@ def test_no_or_two_accumulation_states_raise():
   for state in (optax.sgd(1.0).init(PARAMS), two.init(PARAMS)):
     with pytest.raises(ValueError, match="expected exactly one"):
       optax_accum.metrics(state)
+
+
+@pytest.mark.parametrize(
+  "every_k, observe, first",
+  [
+    (optax_accum.adaptive_window(8, 64), (optax_accum.noise_scale(0.9),), "every_k="),
+    (4, (optax_accum.noise_scale(0.9), optax_accum.noise_scale(0.5)), "observe[0]"),
+  ],
+  ids=["adaptive_window_and_an_observer", "two_observers"],
+)
+def test_two_features_showing_one_metric_are_refused_at_construction(every_k, observe, first):
+  """Issue 48: Metrics.noise_scale held whichever feature showed it last, silently."""
+  with pytest.raises(ValueError) as e:
+    optax_accum.accumulate(optax.sgd(1.0), every_k, observe=observe)
+  second = "observe[0]" if first == "every_k=" else "observe[1]"
+  assert f"{first} and {second} both show the metric 'noise_scale'" in str(e.value)
+
+
+def test_features_showing_distinct_metrics_each_fill_their_fields():
+  """A token budget's counts and an observed noise scale side by side: each its own field."""
+  tx = optax_accum.accumulate(
+    optax.sgd(1.0), optax_accum.token_budget(4), observe=(optax_accum.noise_scale(0.0),)
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for g, w in (((1.0, 0.0), 2), ((3.0, 0.0), 2)):  # one window of weight 4
+    _, state = tx.update({"w": jnp.array(g)}, state, params, weight=w)
+  m = optax_accum.metrics(state)
+  assert float(m.window_weight) == 4 and float(m.weight_seen) == 4
+  # decay 0: the one window's estimates. |G|^2 and S by hand (McCandlish et al. 2018, App. A):
+  # B_small = 2, B_big = 4; |G_small|^2 = (1 + 9) / 2 = 5, |G_big|^2 = ((2*1 + 2*3) / 4)^2 = 4.
+  g2 = (4 * 4 - 2 * 5) / (4 - 2)  # (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+  s = (5 - 4) / (1 / 2 - 1 / 4)
+  np.testing.assert_allclose(float(m.noise_signal), g2, rtol=1e-6)
+  np.testing.assert_allclose(float(m.noise_trace), s, rtol=1e-6)
+  np.testing.assert_allclose(float(m.noise_scale), s / g2, rtol=1e-6)

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 PyTree = Any
 
@@ -89,20 +90,20 @@ def all_finite(tree: PyTree) -> jax.Array:
 def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Global L2 norm of the mean ``g_sum / denom`` and whether all of it is finite, in one read.
 
-  One sum of squares per leaf, of the mean's elements ``x * (1 / denom)`` (the factor
-  ``window_mean`` multiplies by) in float32 or wider, complex kept: finite iff every element
-  is, since IEEE squares and sums propagate NaN and Inf (no max is trusted to: XLA:CPU's large
-  reduce-max drops NaN). No ``lax.cond`` and no second pass (issue 47: the rescaled branch
-  cost a reduction per leaf and 12-20% of the step's compile time). A mean whose squared
-  norm is not representable (float32: norm >= 2**64, about 1.8e19) counts as not finite, as
-  under ``shard_optimizer=True`` and as Adam's second moment would become Inf with it; so
-  does one whose norm is not below every leaf dtype's max. A mean all of whose squares
-  underflow (elements below about 1e-19 in float32) reports its norm rounded towards 0, as
-  ``optax.tree.norm``.
+  One sum of squares per leaf (``optax.tree.norm``) of the mean's elements ``x * (1 / denom)``
+  (the factor ``window_mean`` multiplies by), each leaf squared in float32 or wider (its own
+  dtype if wider, complex kept): finite iff every element is, since IEEE squares and sums
+  propagate NaN and Inf (no max is trusted to: XLA:CPU's large reduce-max drops NaN). No
+  ``lax.cond`` and no second pass (issue 47: the rescaled branch cost a reduction per leaf and
+  12-20% of the step's compile time). A mean whose squared norm is not representable (float32:
+  norm >= 2**64, about 1.8e19) counts as not finite, as under ``shard_optimizer=True`` and as
+  Adam's second moment would become Inf with it; so does one whose norm is not below every leaf
+  dtype's max. A mean all of whose squares underflow (elements below about 1e-19 in float32)
+  reports its norm rounded towards 0, as ``optax.tree.norm``.
 
   Returns:
-    ``(norm, finite)``: 0-d, the norm in the wider of float32 and ``denom``'s dtype (NaN if an
-    element is NaN, else Inf, where not finite), and a bool.
+    ``(norm, finite)``: 0-d, the norm in the widest of float32, ``denom``'s and the leaves' real
+    dtypes (NaN if an element is NaN, else Inf, where not finite), and a bool.
 
   Examples:
     >>> norm, finite = norm_and_finite({'a': jnp.array([6.0, 8.0])}, jnp.float32(2.0))
@@ -112,16 +113,16 @@ def norm_and_finite(g_sum: PyTree, denom: jax.Array) -> tuple[jax.Array, jax.Arr
   leaves = jax.tree.leaves(g_sum)
   if not leaves:
     return jnp.zeros((), denom.dtype), jnp.array(True)
+  factor = _reciprocal(denom)
+
+  def mean(x):  # squared in float32 or wider: a float16 leaf's squares overflow at 256
+    wide = promote_types(x.dtype, jnp.float32)
+    return x.astype(wide) * factor.astype(jnp.finfo(wide).dtype)
+
   dtype = promote_types(denom.dtype, jnp.float32)
   for x in leaves:
     dtype = promote_types(dtype, jnp.finfo(x.dtype).dtype)  # the real part's dtype
-  nonzero = denom != 0
-  factor = jnp.where(nonzero, 1 / jnp.where(nonzero, denom, jnp.ones_like(denom)), 0)
-  factor = factor.astype(dtype)
-  sq = jnp.zeros((), dtype)
-  for x in leaves:
-    mean = x.astype(promote_types(x.dtype, dtype)) * factor
-    sq = sq + jnp.sum(jnp.real(mean * jnp.conj(mean)) if jnp.iscomplexobj(mean) else mean * mean)
+  sq = optax.tree.norm(jax.tree.map(mean, g_sum), squared=True).astype(dtype)
   norm = jnp.sqrt(sq)
   finite = jnp.isfinite(norm)
   for dt in {x.dtype for x in leaves}:  # each element of the mean fits the leaf's dtype
@@ -158,13 +159,19 @@ def window_mean(g_sum: PyTree, denom: jax.Array, like: PyTree) -> PyTree:
   optimizer (docs/performance.md); exact for a power-of-two ``denom``, else 1 ulp.
   """
   nonzero = denom != 0
-  factor = jnp.where(nonzero, 1 / jnp.where(nonzero, denom, jnp.ones_like(denom)), 0)
+  factor = _reciprocal(denom)
 
   def scale(x, t):
     y = jnp.where(nonzero, x * factor.astype(x.dtype), jnp.zeros((), x.dtype))
     return y.astype(t.dtype)
 
   return jax.tree.map(scale, g_sum, like)
+
+
+def _reciprocal(denom: jax.Array) -> jax.Array:
+  """``1 / denom``, 0 where ``denom == 0`` (no division by zero evaluated); ``denom``'s dtype."""
+  nonzero = denom != 0
+  return jnp.where(nonzero, 1 / jnp.where(nonzero, denom, jnp.ones_like(denom)), 0)
 
 
 def _narrow(dtype: Any) -> bool:

@@ -250,15 +250,11 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
       o.check_aggregation(aggregation.weighted_mean)
   _checks.axis_names(axis_name)
   always_closes = isinstance(policy, _every_k.CountWindow) and policy.always_closes
-  guards = _guard.guards(skip_if)
-  features = {"every_k=": policy, "skip_if=": guards}
-  features.update({f"observe[{i}]": o for i, o in enumerate(observers)})
-  _metrics.check_names(features)
-  return _step.Config(
+  config = _step.Config(
     inner=optax.with_extra_args_support(inner),
     policy=policy,
     loss_scale=_loss_scale.policy(loss_scale),
-    guards=guards,
+    guards=_guard.guards(skip_if),
     aggregation=aggregation,
     observers=observers,
     axis_name=axis_name,
@@ -266,6 +262,8 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
     keeps_window=not always_closes,
     placement=_zero.check_config(shard_optimizer, axis_name, aggregation),
   )
+  _metrics.check_names(config)
+  return config
 
 
 # Features whose noise estimate needs the window to be the weighted mean.

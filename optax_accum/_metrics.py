@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._state import find_state
+from optax_accum._state import find_state, shown_by_argument
 
 PyTree = Any
 
@@ -119,10 +119,10 @@ def metrics(opt_state: PyTree) -> Metrics:
     (1, 0, 7.0)
   """
   s = find_state(opt_state)
-  observed = tuple(_read(o) for o in s.observers)
   shown: dict[str, Any] = {}
-  for sub in (_read(s.policy), _read(s.guard), *observed):
-    shown.update(sub if isinstance(sub, dict) else {})
+  for sub in shown_by_argument(s.sub_states).values():
+    read = _read(sub)
+    shown.update(read if isinstance(read, dict) else {})
   zero_f, zero_i = jnp.zeros_like(s.grad_norm), jnp.zeros_like(s.num_skipped)
   return Metrics(
     mini_step=s.mini_step,
@@ -144,23 +144,27 @@ def metrics(opt_state: PyTree) -> Metrics:
     weight_seen=_metric(s.policy, "weight_seen", None),
     window_weight=_metric(s.policy, "window_weight", None),
     window_budget=_metric(s.policy, "window_budget", None),
-    observers=observed,
+    observers=tuple(_read(o) for o in s.observers),
   )
 
 
-def check_names(features: dict[str, Any]) -> None:
+def check_names(config: Any) -> None:
   """Raises unless each metric name is shown by one feature (``metrics()`` reads them flat).
 
   Args:
-    features: by the argument that configured it (``"every_k="``, ``"observe[0]"``), each
-      feature object (its ``init()`` is traced, not run).
+    config: ``accumulate``'s configuration (``_step.Config``): its features' fresh sub-states
+      (``config.sub_states``) are traced, not run.
 
   Raises:
-    ValueError: naming the metric and the two features that show it (an adaptive window
-      estimates the noise scale itself; ``observe=(noise_scale(),)`` beside it would show a
-      second ``noise_scale``, and ``Metrics.noise_scale`` could hold only one of them).
+    ValueError: naming the metric and the two arguments whose features show it (an adaptive
+      window estimates the noise scale itself; ``observe=(noise_scale(),)`` beside it would
+      show a second ``noise_scale``, and ``Metrics.noise_scale`` could hold only one of them).
   """
-  shown = jax.eval_shape(lambda: {where: _read(f.init()) for where, f in features.items()})
+
+  def read_all():
+    return {w: _read(s) for w, s in shown_by_argument(config.sub_states(None)).items()}
+
+  shown = jax.eval_shape(read_all)
   shown_by: dict[str, str] = {}
   for where, read in shown.items():
     for name in read if isinstance(read, dict) else ():

@@ -129,7 +129,18 @@ class AccumulationState(NamedTuple):
     return {f: getattr(self, f) for f in FEATURE_FIELDS}
 
 
-FEATURE_FIELDS = ("loss_scale", "policy", "observers", "guard")
+# The feature sub-states' fields, each with the accumulate argument that configures it.
+ARGUMENTS = {"loss_scale": "loss_scale=", "policy": "every_k=", "observers": "observe=",
+             "guard": "skip_if="}  # fmt: skip
+FEATURE_FIELDS = tuple(ARGUMENTS)
+
+
+def shown_by_argument(sub_states: dict[str, Any]) -> dict[str, Any]:
+  """The sub-states whose ``metrics()`` :func:`optax_accum.metrics` shows as flat fields, by
+  the argument that configured each (``'every_k='``, ``'skip_if='``, ``'observe[0]'``, ...)."""
+  shown = {ARGUMENTS[f]: sub_states[f] for f in ("policy", "guard")}
+  shown.update({f"observe[{i}]": o for i, o in enumerate(sub_states["observers"])})
+  return shown
 
 
 def _is_state(x: Any) -> bool:

@@ -374,7 +374,7 @@ def _sub_state_problems(config, grads: PyTree, state: st.AccumulationState) -> l
       if jax.tree.structure(w[field]) != jax.tree.structure(g[field]):
         problems.append(
           f"its {where}{field} sub-state is {_kind(g[field])}, this configuration "
-          f"({_ARGUMENT[field]}) makes {_kind(w[field])}"
+          f"({st.ARGUMENTS[field]}) makes {_kind(w[field])}"
         )
   sharded = isinstance(state.inner_state, st.Shards)
   if sharded != config.placement.sharded:
@@ -391,14 +391,6 @@ def _sub_state_problems(config, grads: PyTree, state: st.AccumulationState) -> l
       + ("keeps one" if config.keeps_window else "keeps none (every_k=1)")
     )
   return problems
-
-
-_ARGUMENT = {
-  "loss_scale": "loss_scale=",
-  "policy": "every_k=, the window policy",
-  "observers": "observe=",
-  "guard": "skip_if=",
-}
 
 
 def _kind(sub: Any) -> str:

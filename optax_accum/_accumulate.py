@@ -35,7 +35,7 @@ from optax_accum import (
   _vma,
   _zero,
 )
-from optax_accum._protocols import AddWithoutGrads, Guard, Observer, WindowPolicy
+from optax_accum._protocols import Guard, Observer, WindowPolicy
 from optax_accum._state import AccumulationState, Window
 
 PyTree = Any
@@ -280,8 +280,12 @@ def _window_policy(every_k: Any) -> Any:
     )
   methods = ("init", "init_window", "add", "closes", "close")
   if all(callable(getattr(every_k, m, None)) for m in methods):
-    if _checks.takes(every_k.add, 3) is False:  # add(window, weight): called without grads
-      return AddWithoutGrads(every_k)
+    if _checks.takes(every_k.add, 3) is False:
+      raise TypeError(
+        f"the window policy {every_k!r} has an add that cannot take (window, weight, grads): "
+        "the microstep passes each microbatch's gradient too; add a grads parameter (a policy "
+        "that needs none ignores it)."
+      )
     return every_k
   if not callable(every_k) and hasattr(every_k, "closes"):
     missing = [m for m in methods if not callable(getattr(every_k, m, None))]

@@ -14,7 +14,6 @@ its keys fill the fields of that name, and an observer's dict is in ``metrics(..
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
@@ -97,9 +96,6 @@ class WindowPolicy(Protocol):
   def add(self, window: PyTree, weight: jax.Array, grads: PyTree) -> PyTree:
     """The window sums with a microbatch of ``weight`` added; ``grads`` is its gradient as
     ``tx.update`` got it (loss-scaled), as an observer's ``add`` sees it.
-
-    A policy whose ``add`` takes only ``(window, weight)`` (the protocol before issue 40) still
-    works: ``accumulate`` calls it without the gradient (:class:`AddWithoutGrads`).
     """
 
   def closes(self, state: PyTree, window: PyTree, position: Position) -> jax.Array:
@@ -107,37 +103,6 @@ class WindowPolicy(Protocol):
 
   def close(self, state: PyTree, window: PyTree, outcome: Outcome) -> PyTree:
     """The sub-state after the window closed (``window``: its sums over the devices)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AddWithoutGrads:
-  """A window policy whose ``add`` takes ``(window, weight)``, as the microstep calls it.
-
-  Before issue 40 the protocol gave ``add`` no gradient; ``accumulate`` wraps such a policy (told
-  apart by the arguments its ``add`` takes) so that the microstep has one call, ``add(window,
-  weight, grads)``. Every other method and ``every_k`` are the policy's own.
-
-  Attributes:
-    policy: the user's window policy.
-  """
-
-  policy: Any
-
-  def init(self) -> PyTree:
-    return self.policy.init()
-
-  def init_window(self) -> PyTree:
-    return self.policy.init_window()
-
-  def add(self, window: PyTree, weight: jax.Array, grads: PyTree) -> PyTree:
-    del grads
-    return self.policy.add(window, weight)
-
-  def closes(self, state: PyTree, window: PyTree, position: Position) -> jax.Array:
-    return self.policy.closes(state, window, position)
-
-  def close(self, state: PyTree, window: PyTree, outcome: Outcome) -> PyTree:
-    return self.policy.close(state, window, outcome)
 
 
 @runtime_checkable

@@ -41,7 +41,7 @@ class Alternating:
   def init_window(self):
     return optax.EmptyState()
 
-  def add(self, window, weight):
+  def add(self, window, weight, grads):
     return window
 
   def closes(self, state, window, position):
@@ -84,7 +84,7 @@ class TokenCallback:
   def init_window(self):
     return optax.EmptyState()
 
-  def add(self, window, weight):
+  def add(self, window, weight, grads):
     return window
 
   def closes(self, state, window, position):
@@ -133,8 +133,7 @@ class GradEnergy:
 
 
 def test_a_window_policy_that_reads_each_microbatch_gradient():
-  """The window sums of a policy see each microbatch's gradient; 0.4.0's two-argument ``add``
-  (Alternating, TokenCallback above) keeps working beside it."""
+  """The window sums of a policy see each microbatch's gradient."""
   tx = optax_accum.accumulate(optax.sgd(1.0), GradEnergy(20.0))
   state = tx.init(PARAMS)
   step = jax.jit(lambda g, s, w: tx.update(g, s, PARAMS, weight=w))
@@ -151,6 +150,15 @@ def test_a_window_policy_that_reads_each_microbatch_gradient():
   np.testing.assert_allclose(emitted, want, rtol=1e-6)
   assert int(optax_accum.metrics(state).num_updates) == 3
   assert_state_finite(state)
+
+
+def test_a_policy_whose_add_takes_no_gradient_is_refused_when_made():
+  class TwoArgumentAdd(GradEnergy):
+    def add(self, window, weight):
+      return window
+
+  with pytest.raises(TypeError, match=r"cannot take \(window, weight, grads\)"):
+    optax_accum.accumulate(optax.sgd(1.0), TwoArgumentAdd(1.0))
 
 
 def test_a_policy_missing_a_method_is_refused():

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum import (
-  _adaptive_window,
   _aggregation,
   _buffers,
   _checks,
@@ -28,7 +27,6 @@ from optax_accum import (
   _guard,
   _loss_scale,
   _metrics,
-  _noise_scale,
   _numerics,
   _pitfalls,
   _step,
@@ -245,9 +243,7 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
       "num_updates, not an array of this step (that is for microbatched_value_and_grad)."
     )
   observers = _observers(observe)
-  for o in (policy, *observers):
-    if isinstance(o, _NOISE_ESTIMATES):
-      o.check_aggregation(aggregation.weighted_mean)
+  _check_aggregation((policy, *observers), aggregation.weighted_mean)
   _checks.axis_names(axis_name)
   always_closes = isinstance(policy, _every_k.CountWindow) and policy.always_closes
   config = _step.Config(
@@ -266,8 +262,14 @@ def _config(inner, every_k, loss_scale, skip_if, aggregate, observe, axis_name,
   return config
 
 
-# Features whose noise estimate needs the window to be the weighted mean.
-_NOISE_ESTIMATES = (_noise_scale.NoiseScale, _adaptive_window.AdaptiveWindow)
+def _check_aggregation(features: tuple[Any, ...], weighted_mean: bool) -> None:
+  """Asks each window policy and observer that defines ``check_aggregation`` (the noise
+  scale's estimators need the window to be the weighted mean) whether it can see this window;
+  it raises, naming itself, where not."""
+  for feature in features:
+    check = getattr(feature, "check_aggregation", None)
+    if callable(check):
+      check(weighted_mean)
 
 
 def _window_policy(every_k: Any) -> Any:
@@ -334,10 +336,8 @@ def init(config: _step.Config, params: PyTree) -> AccumulationState:
       "shard_optimizer=True: these params have leaves the boundary overwrites (Flax FP8 meta, "
       "max/last rules), which are not sharded. Use shard_optimizer=False for them."
     )
-  if agg.active(params):
-    for o in (config.policy, *config.observers):
-      if isinstance(o, _NOISE_ESTIMATES):
-        o.check_aggregation(False)
+  if agg.active(params):  # per-leaf rules on these params: the window is no weighted mean
+    _check_aggregation((config.policy, *config.observers), False)
   _pitfalls.check_fp8_scale(fp8, agg.denominator is None, config.keeps_window)
   fdt = _numerics.scalar_dtype()
   # A fresh buffer per field: donating a state whose leaves share a buffer

@@ -10,6 +10,9 @@ The boundary tells every feature what happened through one :class:`Outcome`; a g
 predicate judge a closing window from its :class:`WindowStats`. A sub-state that defines a
 ``metrics()`` method (returning a dict of 0-d arrays) is read by :func:`optax_accum.metrics`:
 its keys fill the fields of that name, and an observer's dict is in ``metrics(...).observers``.
+A window policy or observer that defines ``check_aggregation(weighted_mean: bool)`` is asked
+when ``accumulate`` is made (and by ``init``, for per-leaf rules of the params) and raises
+where what it measures needs the window to be the weighted mean (the noise scale's estimators).
 """
 
 from __future__ import annotations

@@ -252,6 +252,28 @@ def test_an_observer_written_outside_the_package():
   assert_state_finite(state)
 
 
+class MeanOnly(MaxGrad):
+  """An observer whose reading needs the window to be the weighted mean."""
+
+  def __init__(self):
+    self.asked = []
+
+  def check_aggregation(self, weighted_mean):
+    self.asked.append(weighted_mean)
+    if not weighted_mean:
+      raise ValueError("MeanOnly observes weighted means only")
+
+
+def test_an_observer_that_needs_the_weighted_mean_is_asked_when_accumulate_is_made():
+  mean, fixed = MeanOnly(), MeanOnly()
+  optax_accum.accumulate(optax.sgd(1.0), 2, observe=(mean,))
+  with pytest.raises(ValueError, match="MeanOnly observes weighted means only"):
+    optax_accum.accumulate(
+      optax.sgd(1.0), 2, observe=(fixed,), aggregate=optax_accum.aggregate(denominator=8)
+    )
+  assert (mean.asked, fixed.asked) == ([True], [False])
+
+
 def test_an_observer_without_the_protocol_is_refused():
   with pytest.raises(TypeError, match=r"observe takes a tuple of observers.*lacks the methods"):
     optax_accum.accumulate(optax.sgd(1.0), 2, observe=(lambda g: g,))

@@ -132,7 +132,8 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
   position = Position(mini_step, window.weight_sum, state.num_updates, config.axis_name)
   boundary = config.policy.closes(state.policy, window.policy, position) | flush
   dtypes = Dtypes.of(config, output, grads, state, params, value, extra)
-  place = _buffers.placement(output, dtypes.out, window.grad_sum)
+  call = Call(config, _buffers.placement(output, dtypes.out, window.grad_sum), dtypes, params,
+              value, extra)  # fmt: skip
   # What closing a window changes, besides the window and the inner state.
   header = state._replace(window=None, inner_state=None, guard=guard_state)
 
@@ -140,15 +141,13 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
     grad_sum, inner_state = operands
     # zeros_like keeps the fields' device variance: both branches agree under shard_map.
     unchanged = header._replace(updated=jnp.zeros_like(state.updated))
-    return place.between(params, boundary), grad_sum, inner_state, unchanged
+    return call.place.between(params, boundary), grad_sum, inner_state, unchanged
 
   # A flush of a window that holds no microbatch closes nothing, even with apply_empty.
   nothing_to_close = flush & (state.mini_step == 0)
 
   def boundary_branch(operands):
-    return close(
-      config, place, dtypes, header, window, operands, params, value, extra, nothing_to_close
-    )
+    return close(call, header, window, operands, nothing_to_close)
 
   operands = (window.grad_sum, state.inner_state)
   branches = _vma.agree((boundary_branch, between), operands, (grads, state, params, w, extra))
@@ -166,7 +165,7 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
     flush_pending=jnp.zeros_like(state.flush_pending),
     inner_state=inner_state,
   )
-  return place.result(out, grad_sum, closed.updated), new_state
+  return call.place.result(out, grad_sum, closed.updated), new_state
 
 
 def add_microbatch(config, state, grads, w, value) -> st.Window:
@@ -197,12 +196,35 @@ def _zeros_like_acc(config, grads: PyTree) -> PyTree:
   return jax.tree.map(lambda g: jnp.zeros(jnp.shape(g), dtype(g)), grads)
 
 
-def close(config, place, dtypes, header, window, operands, params, value, extra, nothing_to_close):
+class Call(NamedTuple):
+  """What one ``tx.update`` call brings to its boundary besides the window (trace time).
+
+  Attributes:
+    config: the transformation's ``Config``.
+    place: where this call's output lives (``_buffers.placement`` of its ``Output``).
+    dtypes: the window's ``Dtypes``.
+    params: the params of the call (None where ``tx.update`` got none).
+    value: the microbatch's loss (``value=``), or None.
+    extra: the other keyword arguments, for the inner optimizer.
+  """
+
+  config: Config
+  place: _buffers.UpdatesOut | _buffers.ParamsOut
+  dtypes: Dtypes
+  params: PyTree
+  value: jax.Array | None
+  extra: dict[str, Any]
+
+
+def close(call: Call, header, window, operands, nothing_to_close):
   """The boundary: one finite check, then apply (inner once), skip or nothing (empty).
 
-  Returns ``(output, grad_sum, inner_state, header)``, the header being the state's scalars
-  and sub-states after the window (``window`` and ``inner_state`` None).
+  ``operands`` are the accumulator and the inner state, ``header`` the state's other fields;
+  ``nothing_to_close``: a flush of a window with no microbatch. Returns ``(output, grad_sum,
+  inner_state, header)``, the header being the state's scalars and sub-states after the
+  window (``window`` and ``inner_state`` None).
   """
+  config, place, dtypes, params, value, extra = call
   grad_sum, inner_state = operands
   agg, placement = config.aggregation, config.placement
   # Under axis_name, the window over the devices: one all-reduce (a pmax first for max/last
@@ -235,7 +257,7 @@ def close(config, place, dtypes, header, window, operands, params, value, extra,
   def run_inner(ops):
     grad_sum, inner_state = ops
     mean = split.window_values(sums.grad_sum, d, scale, like)
-    updates, new_inner, ok = _inner_update(config, dtypes, mean, inner_state, params, inner_args)
+    updates, new_inner, ok = _inner_update(call, mean, inner_state, inner_args)
     updates = split.overwrite_updates(updates, mean, params, empty)  # max/last: value - param
     out, grad_sum = place.applied(updates, params, grad_sum)
     out = place.overwrite(split, out, mean, params, empty)  # exact on the fused path
@@ -288,7 +310,7 @@ def _counters(header: st.AccumulationState, outcome: Outcome, norm: jax.Array, n
   )
 
 
-def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
+def _inner_update(call: Call, mean, inner_state, inner_args):
   """The inner optimizer once, its updates cast like plain ``inner``'s; ``ok`` if they are finite.
 
   ``ok`` is None where nothing was checked. With a 16-bit dtype (``_numerics.updates_finite``),
@@ -296,6 +318,7 @@ def _inner_update(config, dtypes, mean, inner_state, params, inner_args):
   the inner optimizer's passes; a nested cond would copy the inner state). Under ZeRO-1 the
   inner optimizer runs on this device's shards and the updates are gathered after it.
   """
+  config, dtypes, params = call.config, call.dtypes, call.params
   placement = config.placement
   inner = config.aggregation.inner_for(config.inner, mean)
   old = placement.unwrap(inner_state)

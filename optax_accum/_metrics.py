@@ -120,9 +120,8 @@ def metrics(opt_state: PyTree) -> Metrics:
   """
   s = find_state(opt_state)
   shown: dict[str, Any] = {}
-  for sub in shown_by_argument(s.sub_states).values():
-    read = _read(sub)
-    shown.update(read if isinstance(read, dict) else {})
+  for read in _shown(s.sub_states).values():
+    shown.update(read)
   zero_f, zero_i = jnp.zeros_like(s.grad_norm), jnp.zeros_like(s.num_skipped)
   return Metrics(
     mini_step=s.mini_step,
@@ -160,14 +159,10 @@ def check_names(config: Any) -> None:
       window estimates the noise scale itself; ``observe=(noise_scale(),)`` beside it would
       show a second ``noise_scale``, and ``Metrics.noise_scale`` could hold only one of them).
   """
-
-  def read_all():
-    return {w: _read(s) for w, s in shown_by_argument(config.sub_states(None)).items()}
-
-  shown = jax.eval_shape(read_all)
+  shown = jax.eval_shape(lambda: _shown(config.sub_states(None)))
   shown_by: dict[str, str] = {}
   for where, read in shown.items():
-    for name in read if isinstance(read, dict) else ():
+    for name in read:
       if name in shown_by:
         raise ValueError(
           f"{shown_by[name]} and {where} both show the metric {name!r}, and "
@@ -176,6 +171,13 @@ def check_names(config: Any) -> None:
           "noise_scale() observer beside it; observe one noise_scale)."
         )
       shown_by[name] = where
+
+
+def _shown(sub_states: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """Each flat-shown sub-state's ``metrics()`` dict, by the argument that configured it
+  (sub-states without one are left out)."""
+  reads = {w: _read(sub) for w, sub in shown_by_argument(sub_states).items()}
+  return {w: read for w, read in reads.items() if isinstance(read, dict)}
 
 
 def _read(sub: Any) -> Any:

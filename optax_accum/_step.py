@@ -132,8 +132,8 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
   position = Position(mini_step, window.weight_sum, state.num_updates, config.axis_name)
   boundary = config.policy.closes(state.policy, window.policy, position) | flush
   dtypes = Dtypes.of(config, output, grads, state, params, value, extra)
-  call = Call(config, _buffers.placement(output, dtypes.out, window.grad_sum), dtypes, params,
-              value, extra)  # fmt: skip
+  place = _buffers.placement(output, dtypes.out, window.grad_sum)
+  call = Call(config, place, dtypes, params, value, extra)
   # What closing a window changes, besides the window and the inner state.
   header = state._replace(window=None, inner_state=None, guard=guard_state)
 
@@ -141,7 +141,7 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
     grad_sum, inner_state = operands
     # zeros_like keeps the fields' device variance: both branches agree under shard_map.
     unchanged = header._replace(updated=jnp.zeros_like(state.updated))
-    return call.place.between(params, boundary), grad_sum, inner_state, unchanged
+    return place.between(params, boundary), grad_sum, inner_state, unchanged
 
   # A flush of a window that holds no microbatch closes nothing, even with apply_empty.
   nothing_to_close = flush & (state.mini_step == 0)
@@ -165,7 +165,7 @@ def step(config, output, grads, state, params, *, weight=1, flush=False, value=N
     flush_pending=jnp.zeros_like(state.flush_pending),
     inner_state=inner_state,
   )
-  return call.place.result(out, grad_sum, closed.updated), new_state
+  return place.result(out, grad_sum, closed.updated), new_state
 
 
 def add_microbatch(config, state, grads, w, value) -> st.Window:

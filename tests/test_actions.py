@@ -91,6 +91,7 @@ def test_matches_apply_updates_through_chain_and_flush():
   chex.assert_trees_all_close(params_a, params_b, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_update_and_apply_equals_update_then_apply():
   """The fused path (params through accumulate's cond) against tx.update + apply_updates."""
   inner = optax.adamw(1e-2, weight_decay=1e-2)

@@ -270,6 +270,7 @@ def test_scale_learning_rate_keeps_dtypes_and_names_its_mistakes():
 AXIS, N_DEV = "data", 8
 
 
+@pytest.mark.slow
 def test_global_decision_under_shard_map_one_scalar_all_reduce_per_microstep():
   """8 devices, each adding its own microbatch per step: the windows, budgets and updates of the
   replay over all devices' microbatches (each one a sample); one budget on every device."""
@@ -320,6 +321,7 @@ def test_global_decision_under_shard_map_one_scalar_all_reduce_per_microstep():
 # ----------------------------------------------------------------------------- resume, vmap, NaN
 
 
+@pytest.mark.slow
 def test_resume_mid_window_continues_the_same_windows_and_refuses_another_policy():
   w, g = (jnp.asarray(x) for x in _stream(200, seed=5))
   policy = optax_accum.adaptive_window(**KW)
@@ -362,6 +364,7 @@ def test_resume_mid_window_continues_the_same_windows_and_refuses_another_policy
   assert int(moved.num_updates) == 1 and float(moved.policy.budget) == KW["min_weight"]
 
 
+@pytest.mark.slow
 def test_vmap_over_states_is_each_run_alone():
   """Two streams side by side (lax.cond becomes a select): each member's windows as alone."""
   streams = [_stream(300, seed=s) for s in (6, 7)]
@@ -374,6 +377,7 @@ def test_vmap_over_states_is_each_run_alone():
   assert not np.array_equal(alone[0][1][1], alone[1][1][1])  # the members' windows differ
 
 
+@pytest.mark.slow
 def test_no_nan_under_jax_debug_nans():
   """A jitted run under jax_debug_nans (warm-up, empty and one-sample windows, flushes, a negative
   signal estimate, growth and bounds); then the policy's own arithmetic op by op, where every

@@ -359,6 +359,7 @@ def _c11_run(dtype):
 
 
 @pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+@pytest.mark.slow
 def test_c11_window_length_does_not_change_update(x64):
   with _compat.enable_x64(x64):
     dtype = jnp.float64 if x64 else jnp.float32
@@ -452,6 +453,7 @@ def _m1_window_update(ys_by_microbatch):
   return float(flat.mean())
 
 
+@pytest.mark.slow
 def test_c14_a_weight_never_disappears_on_the_way():
   # (a) lookahead around accumulate passes no weight=: refused, naming the wrapper, instead
   # of weighing 1 and 3 as 1 and 1 (the mean of means).

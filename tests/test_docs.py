@@ -302,6 +302,7 @@ def _pmap_collectives(ns: dict) -> dict:
   return count_collectives(ns["p_train_step"].lower(ns["state"], mb).compile().as_text())
 
 
+@pytest.mark.slow
 def test_porting_pmap_section_equals_one_device_on_the_physical_batch():
   """Issue 49, item 3: the pmap section's program (8 devices) is, on every replica, one device's
   adamw on each window's rows as one batch; it all-reduces once per window, in the boundary,

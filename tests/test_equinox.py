@@ -91,6 +91,7 @@ def _assert_not_mean_of_means(microbatches):
 
 
 @jax_equinox_supports
+@pytest.mark.slow
 def test_across_step_tx_update_and_eqx_apply_updates_equal_the_physical_batch():
   microbatches = _microbatches(2 * K)
   _assert_not_mean_of_means(microbatches)

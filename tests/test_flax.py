@@ -193,6 +193,7 @@ def test_fused_optimizer_equals_window_means_and_counts_updates():
   assert int(m.num_microbatches) == 8 and int(m.mini_step) == 0
 
 
+@pytest.mark.slow
 def test_fused_optimizer_takes_a_dict_prefix_of_rules():
   """reduce= as a plain dict over an nnx.State: l1 the weighted mean (one grad of the window's
   concatenated batch), l2 overwritten with the max of its microbatches' values."""
@@ -290,6 +291,7 @@ def test_linen_train_state_equals_window_means(equal_sizes):
   assert int(optax_accum.metrics(state.opt_state).num_updates) == 3
 
 
+@pytest.mark.slow
 def test_linen_flush_and_discard():
   windows = _windows()
   state = _linen_state(optax_accum.flax.TrainState, optax_accum.accumulate(_inner(), every_k=K))

@@ -42,6 +42,7 @@ def _batch(rows=16, seed=0):
   return {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32), "mask": mask}
 
 
+@pytest.mark.slow
 def test_dropout_state_threaded_like_k_sequential_calls():
   """Dropout's RNG counter advances once per microbatch (masks differ within the window); the
   result is the token-weighted mean of K nnx.value_and_grad calls on the microbatches, in

@@ -133,6 +133,7 @@ def _relative_error(a, b):
   [Fp8Linear(), pytest.param(Fp8MLP(), marks=pytest.mark.slow)],
   ids=["linear", "mlp"],
 )
+@pytest.mark.slow
 def test_fp8_train_state_equals_the_physical_batch(model):
   windows = _windows(3)
   tx = optax_accum.accumulate(

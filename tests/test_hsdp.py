@@ -190,6 +190,7 @@ def docs_hsdp_block() -> dict:
 
 
 @_compat.requires(jax.lax, "pcast", "JAX 0.8")  # the page spells jax.lax.pcast
+@pytest.mark.slow
 def test_docs_hsdp_block_reduces_over_replica_once_per_window_and_equals_one_device():
   ns = docs_hsdp_block()
   mesh, k, train_step = ns["mesh"], ns["K"], ns["train_step"]

@@ -28,6 +28,7 @@ def token_data():
 
 
 @pytest.mark.parametrize("strided", [True, False])
+@pytest.mark.slow
 def test_equals_value_and_grad_over_batch_unequal_tokens(token_data, strided):
   params, batch = token_data
   per_mb = optax_accum._microbatch_mesh.split_batch(batch, K, strided=strided)["mask"].sum(
@@ -114,6 +115,7 @@ def test_zero_token_microbatches_no_nan(token_data):
   [(optax.sgd(1.0), 1e-7), (optax.adamw(1e-2, weight_decay=1e-2, eps=1e-3), 1e-6)],
   ids=["sgd", "adamw"],
 )
+@pytest.mark.slow
 def test_in_step_and_across_step_give_the_same_update(token_data, inner, atol):
   params, batch = token_data
   f = optax_accum.microbatched_value_and_grad(models.token_loss, K, weight_fn=tokens)
@@ -140,6 +142,7 @@ def test_in_step_and_across_step_give_the_same_update(token_data, inner, atol):
   chex.assert_trees_all_close(updates, ref, rtol=1e-5, atol=atol)
 
 
+@pytest.mark.slow
 def test_dropout_keys_fold_in_microbatch_index():
   params, batch = models.mlp_params(), models.linear_regression_data(8)
   key = jax.random.key(3)
@@ -205,6 +208,7 @@ def test_loss_scale_gives_the_scaled_gradient_for_accumulate_to_divide_out(token
   assert (int(m.num_skipped), float(m.loss_scale)) == (1, scale / 2)
 
 
+@pytest.mark.slow
 def test_nnx_state_threaded_in_order():
   """BatchNorm statistics and dropout RNG counters go through the microbatches in order."""
   from flax import nnx

@@ -90,6 +90,7 @@ def test_batch_sharded_over_8_devices(strided, axis_type):
 
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+@pytest.mark.slow
 def test_jit_axis_name_reduces_once_after_the_scan(axis_type, layout):
   params, batch = mesh_data()
   per_device = np.asarray(batch["mask"]).reshape(N_DEV, -1).sum(1)
@@ -257,6 +258,7 @@ def test_explicit_mesh_params_sharded_over_model(shape, axis_name):
     assert jax.typeof(leaf).sharding.spec == jax.typeof(p).sharding.spec
 
 
+@pytest.mark.slow
 def test_check_equivalence_on_the_tutorial_mesh_with_aux():
   mesh, params, batch = _tutorial_mesh((1, 2), padded=True)
   with _compat.set_mesh(mesh):

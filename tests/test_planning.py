@@ -255,6 +255,7 @@ def test_microbatches_for():
     _plan(48).microbatches_for(64, multiple_of=2.0)
 
 
+@pytest.mark.slow
 def test_split_keeps_the_physical_batch_gradient():
   # In-step with the split's num_microbatches gives the gradient of the whole batch.
   params = models.mlp_params(SIZES)

@@ -203,6 +203,7 @@ def test_readme_weight_table_names_the_three_common_losses():
 
 
 @pytest.mark.parametrize(("name", "loss_code", "weight_code"), _weight_table(), ids=lambda v: v)
+@pytest.mark.slow
 def test_readme_weight_table_row_accumulates_to_the_physical_batch(name, loss_code, weight_code):
   """Issue 49, item 1: each loss of the README's table, accumulated over microbatches of unequal
   rows and tokens with the table's weight, is one step on ``jax.grad`` of the loss over all rows

@@ -211,6 +211,7 @@ def mid_window_checkpoint(tmp_path):
   return tmp_path / "ckpt", params
 
 
+@pytest.mark.slow
 def test_restore_into_another_every_k_continues_under_the_new_window_length(mid_window_checkpoint):
   """Issue 48: the window length is configuration (optax's way): a mid-window state (2 of 4
   microbatches held) restored into every_k=8 is accepted and closes after 6 more."""

@@ -26,6 +26,7 @@ def _verdict_agrees(report):
   return text
 
 
+@pytest.mark.slow
 def test_passes_on_mlp_with_unequal_token_weights():
   batch = models.linear_regression_data(16)
   batch["mask"] = jnp.asarray(np.random.default_rng(1).integers(0, 2, 16), jnp.float32)
@@ -163,6 +164,7 @@ TOKENS_52 = np.array([4 * c for c in C13_COUNTS]) / 52
   ],
   ids=["c13_loss_a_row_mean", "c13_loss_b_token_mean", "sequence_sum"],
 )
+@pytest.mark.slow
 def test_c13_the_fit_recovers_the_weights_the_loss_needs(loss_fn, expected, name, fix):
   params, batch = _c13()
   right = rows if name.startswith("rows") else tokens
@@ -218,6 +220,7 @@ def _lm_token_mean(p, b):
   return per_token.sum() / b["loss_masks"].sum()
 
 
+@pytest.mark.slow
 def test_the_rows_fix_names_the_leaf_of_the_users_own_batch():
   """Issue 49: the fix for a row mean names a leaf the user's batch has, not ``x``; evaluated on
   each microbatch it gives its rows, and passing it makes the check pass."""
@@ -248,6 +251,7 @@ def test_the_rows_fix_names_the_leaf_of_the_users_own_batch():
   assert rows_given.verdict().endswith("use weight=batch['loss_masks'].sum()")
 
 
+@pytest.mark.slow
 def test_the_mean_of_means_row_says_when_this_batch_cannot_tell():
   """Equal microbatches: the mean of means is exact too, and the row says so in words (not
   "not checked: 0x the tolerance"); unequal ones: how many tolerances it is off, by hand."""
@@ -312,6 +316,7 @@ def _batch_norm_mse(p, b):
   return jnp.mean(0.5 * (jnp.tanh(h) @ p["w2"] - b["y"]) ** 2)
 
 
+@pytest.mark.slow
 def test_no_weighting_reproduces_in_batch_negatives_or_batch_norm():
   rng = np.random.default_rng(5)
   x = rng.normal(size=(16, 8)).astype(np.float32)
@@ -334,6 +339,7 @@ def test_no_weighting_reproduces_in_batch_negatives_or_batch_norm():
     assert "no weighting reproduces the batch" in _verdict_agrees(report)
 
 
+@pytest.mark.slow
 def test_the_gradcache_recipe_for_in_batch_negatives_sums_to_the_batch_gradient():
   """docs/in_step.md, 'Losses over the whole batch': embed, take the loss's cotangent over the
   whole batch, pull each microbatch's rows back; summed (denominator=1), the window's sgd(1)
@@ -408,6 +414,7 @@ def test_adam_near_eps_rounding_passes_within_the_gradients_tolerance():
   _verdict_agrees(report)
 
 
+@pytest.mark.slow
 def test_inner_update_allowance_for_sgd_is_lr_times_the_gradients_tolerance():
   """With sgd(lr) the update moves by lr * tol when the gradient moves by tol: the allowance."""
   params, batch = _c13()
@@ -472,6 +479,7 @@ def test_nnx_mlp_passes_and_batchnorm_fails_with_warning():
   assert "batch-dependent layers (bn: BatchNorm in train mode)" in text
 
 
+@pytest.mark.slow
 def test_batchnorm_in_eval_mode_is_not_flagged():
   model = models.nnx_mlp(batch_norm=True)
   model.eval()  # running averages: per-example, accumulation reproduces the batch

@@ -232,6 +232,7 @@ def test_metrics_weight_seen_is_a_pytree_under_jit():
 # ----------------------------------------------------------------------------- with the rest
 
 
+@pytest.mark.slow
 def test_flush_skip_loss_scale_and_clip_with_a_budget():
   tx = optax_accum.accumulate(
     optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1.0)),

@@ -93,6 +93,7 @@ INNERS = {
 
 
 @pytest.mark.parametrize("name", sorted(INNERS))
+@pytest.mark.slow
 def test_sharded_inner_equals_the_replicated_run(name):
   """Windows of 3, a flush after microbatch 4 (a window of 2), a NaN window, more windows."""
   data = make_data(11, nan_at=6)
@@ -252,6 +253,7 @@ def test_a_mid_window_checkpoint_resumes_bitwise_and_another_device_count_is_ref
 
 
 @pytest.mark.skipif(not hasattr(jax.lax, "pcast"), reason="HSDP sharding of the pieces: jax >= 0.8")
+@pytest.mark.slow
 def test_hsdp_shards_the_inner_state_over_replica_and_fsdp():
   """replica 2 x fsdp 4, manual over replica: the params equal the replicated HSDP run's, and
   each device holds 1/8 of Adam's moments (the HSDP recipe alone: 1/4)."""

@@ -3,7 +3,8 @@
 
 First with its own requirements only (jax and optax: ``import optax_accum`` and the README's first
 example run, Flax is absent and ``optax_accum.flax`` says how to install it), then with the
-``flax`` extra added (``optax-accum demo --quick`` runs). The environment has no access to the
+``flax`` extra added (every module of the installed package imports, and the ``optax-accum``
+command answers; tests/test_demo.py runs the demo itself). The environment has no access to the
 system's or this test's packages; pip resolves the wheel's requirements under the same
 constraints as the test run (``PIP_CONSTRAINT``) and takes them from its cache when it can.
 """
@@ -78,7 +79,21 @@ else:
 """
 
 
-@pytest.mark.slow  # builds, then installs jax, optax and flax from pip's cache: about a minute
+# With the flax extra: every module the wheel ships imports (a module missing from the package,
+# or one importing what the wheel does not require, fails here), and the command's entry point runs.
+ALL_MODULES = """
+import importlib, pkgutil, sys
+import optax_accum
+assert optax_accum.__file__.startswith(sys.prefix), optax_accum.__file__
+names = [m.name for m in pkgutil.walk_packages(optax_accum.__path__, "optax_accum.")]
+for name in names:
+  importlib.import_module(name)
+assert "optax_accum.flax" in names and "optax_accum.demo.cli" in names, names
+print(len(names), "modules")
+"""
+
+
+@pytest.mark.slow  # builds, then installs jax, optax and flax from pip's cache: about 30 s
 def test_wheel_installs_and_runs_in_a_fresh_environment(tmp_path):
   src = _checkout_copy(tmp_path / "src")
   dist = tmp_path / "dist"
@@ -103,5 +118,9 @@ def test_wheel_installs_and_runs_in_a_fresh_environment(tmp_path):
   assert "2 updates, 0 microbatches pending" in out, out
 
   _run([*pip, f"{wheel}[flax]"], "pip install <wheel>[flax]", env=env)
-  out = _run([bin_dir / "optax-accum", "demo", "--quick"], "optax-accum demo --quick", **run)
-  assert "updates applied: 1" in out and re.search(r"update \d+/\d+: loss", out), out
+  out = _run([python, "-W", "error", "-c", ALL_MODULES], "import every module", **run)
+  assert re.search(r"^\d+ modules$", out, re.M), out
+  out = _run([bin_dir / "optax-accum", "--version"], "optax-accum --version", **run)
+  assert VERSION in out, out
+  out = _run([bin_dir / "optax-accum", "demo", "--help"], "optax-accum demo --help", **run)
+  assert "--quick" in out, out

@@ -532,9 +532,9 @@ def _keeping_its_gradient(inner) -> optax.GradientTransformationExtraArgs:
   until then): under ``accumulate``, the window mean of the last applied window."""
   inner = optax.with_extra_args_support(inner)
 
-  def update(grads, state, params=None, **extra):
-    updates, inner_state = inner.update(grads, state[0], params, **extra)
-    return updates, (inner_state, grads)
+  def update(updates, state, params=None, **extra):  # `updates`: the gradient, optax's name
+    new_updates, inner_state = inner.update(updates, state[0], params, **extra)
+    return new_updates, (inner_state, updates)
 
   return optax.GradientTransformationExtraArgs(
     lambda params: (inner.init(params), optax.tree.zeros_like(params)), update

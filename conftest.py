@@ -1,10 +1,15 @@
-"""Test configuration: 8 fake CPU devices, one JAX compilation cache per run, doctest namespace."""
+"""Test configuration: 8 fake CPU devices and the classic CPU code generator (tests/_xla.py),
+one JAX compilation cache per run, doctest namespace."""
 
 import os
+import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+import _xla  # noqa: E402
+
 # Must be set before jax initializes its backends.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", _xla.flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -17,6 +17,8 @@ import sys
 import textwrap
 import tokenize
 
+import _xla
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKETCH = "<!-- sketch -->"
 _FENCE = re.compile(
@@ -77,7 +79,7 @@ def run_blocks(path, blocks, checks, tmp_path, timeout=600):
   env.update(
     PYTHONPATH=str(ROOT),
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    XLA_FLAGS=_xla.flags(8),
   )
   proc = subprocess.run(
     [sys.executable, "-W", "error", "-c", _RUNNER, str(job)],

@@ -1,10 +1,11 @@
 """Two (or more) JAX processes on localhost for the multi-process tests (gloo CPU collectives)."""
 
-import os
 import pathlib
 import socket
 import subprocess
 import sys
+
+import _xla
 
 
 def free_port() -> int:
@@ -20,11 +21,7 @@ def run_workers(tmp_path: pathlib.Path, source: str, n: int, devices: int, timeo
   ``devices`` CPU devices; returns their ``OUT`` paths. Fails with a process's log if it does."""
   script = tmp_path / "worker.py"
   script.write_text(source)
-  env = {
-    **os.environ,
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-    "JAX_PLATFORMS": "cpu",
-  }
+  env = _xla.env(devices)
   port = str(free_port())
   outs = [tmp_path / f"out{pid}.npz" for pid in range(n)]
   procs = [

@@ -1,11 +1,11 @@
 """Benchmark scripts run with --quick and write the JSON they promise; README tables match it."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
+import _xla
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,8 +23,7 @@ def test_readme_table_is_rendered_from_the_json():
 
 
 def _start(script, out):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
+  env = _xla.env()  # one CPU device, as a user would run it
   cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)]
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -2,11 +2,11 @@
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
+import _xla
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -17,8 +17,7 @@ import render_tables  # noqa: E402
 @pytest.mark.slow  # about 30 s: four short training runs of the demo's smallest model
 def test_quick_adaptive_windows_benchmark(tmp_path):
   out = tmp_path / "adaptive.json"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
+  env = _xla.env()  # one CPU device, as a user would run it
   cmd = [sys.executable, str(ROOT / "benchmarks" / "adaptive_windows.py"), "--quick", "--out"]
   proc = subprocess.run([*cmd, str(out)], cwd=ROOT, env=env, capture_output=True, timeout=600)
   assert proc.returncode == 0, proc.stderr.decode()[-3000:]

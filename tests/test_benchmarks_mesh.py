@@ -5,12 +5,12 @@ Also: benchmarks/hsdp_device.py (the HSDP rows on real accelerators) answers --h
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import _compat
+import _xla
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,8 +24,7 @@ def reductions(row, where):
 @pytest.mark.slow
 def test_train_step_mesh_rows(tmp_path):
   out = tmp_path / "train.json"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)  # the script sets its 8 fake devices itself
+  env = _xla.env()  # one device: the script sets its 8 fake devices itself
   cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--quick", "--devices", "8"]
   proc = subprocess.run(
     [*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, timeout=900
@@ -122,11 +121,7 @@ def test_hsdp_device_script_answers_help():
 
 @pytest.mark.slow
 def test_hsdp_device_script_dry_run_plans_the_mesh():
-  env = {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-  }
+  env = _xla.env(8)
   cmd = [sys.executable, str(ROOT / "benchmarks" / "hsdp_device.py"), "--dry-run"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr

@@ -1,11 +1,11 @@
 """benchmarks/preflight.py runs with --quick and writes the JSON that docs/in_step.md renders."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
+import _xla
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -16,8 +16,7 @@ import render_tables  # noqa: E402
 @pytest.mark.slow
 def test_quick_preflight_benchmark(tmp_path):
   out = tmp_path / "preflight.json"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
+  env = _xla.env()  # one CPU device, as a user would run it
   cmd = [sys.executable, str(ROOT / "benchmarks" / "preflight.py"), "--quick", "--out", str(out)]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

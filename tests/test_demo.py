@@ -1,11 +1,11 @@
 """Tests of the demo: its training function against hand-built references, and the CLI."""
 
 import json
-import os
 import re
 import subprocess
 import sys
 
+import _xla
 import chex
 import jax
 import jax.numpy as jnp
@@ -212,8 +212,7 @@ def _number(pattern, text):
 
 @pytest.mark.slow
 def test_quick_demo_runs_and_learns(tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # conftest's 8 fake devices are not what a user runs with
+  env = _xla.env()  # one CPU device, not conftest's 8 fake ones: as a user runs it
   record_path = tmp_path / "demo.json"
   proc = subprocess.run(
     [sys.executable, "-m", "optax_accum", "demo", "--quick", "--record", str(record_path)],

@@ -9,6 +9,7 @@ import json
 import pathlib
 import sys
 
+import _xla
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
@@ -41,7 +42,7 @@ def kernel_env(tmp_path, monkeypatch):
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))  # searched before user/system paths
   monkeypatch.setenv("OPTAX_ACCUM_SMOKE", "1")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("XLA_FLAGS", _xla.flags(8))
   monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 
+import _xla
 import pytest
 from _markdown import ROOT, python_blocks
 
@@ -106,8 +107,8 @@ def test_wheel_installs_and_runs_in_a_fresh_environment(tmp_path):
   venv = tmp_path / "venv"
   _run([sys.executable, "-m", "venv", venv], "python -m venv")
   python, bin_dir = venv / "bin" / "python", venv / "bin"
-  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-  env.pop("XLA_FLAGS", None)  # conftest's 8 fake devices are not what a user runs with
+  user = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+  env = _xla.env(base=user)  # one CPU device, not conftest's 8 fake ones: as a user runs it
   pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
   _run([*pip, wheel], "pip install <wheel>", env=env)
   run = {"env": env, "cwd": tmp_path}  # not the checkout: nothing of it on sys.path

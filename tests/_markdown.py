@@ -9,7 +9,6 @@ not give) and is not run.
 import ast
 import io
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -75,12 +74,7 @@ def run_blocks(path, blocks, checks, tmp_path, timeout=600):
   """
   job = tmp_path / "blocks.json"
   job.write_text(json.dumps([blocks, checks, path.name]))
-  env = dict(os.environ)
-  env.update(
-    PYTHONPATH=str(ROOT),
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS=_xla.flags(8),
-  )
+  env = _xla.env(8, PYTHONPATH=str(ROOT))
   proc = subprocess.run(
     [sys.executable, "-W", "error", "-c", _RUNNER, str(job)],
     capture_output=True,

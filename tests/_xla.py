@@ -1,9 +1,10 @@
 """The XLA flags every test process compiles with: its fake CPU devices and the CPU code generator.
 
-XLA:CPU of jaxlib 0.8 and newer generates each fused kernel with its new MLIR emitters, which
-take 2-3x longer per kernel than the classic LLVM IR emitters; compiling is most of the suite's
-time (about 70% on test_step, test_accumulate and test_nonfinite). The tests therefore ask for
-the classic emitters (``--xla_cpu_use_fusion_emitters=false``). Only the generation of kernel
+XLA:CPU of jaxlib 0.10 generates each fused kernel with its MLIR fusion emitters; compiling is
+most of the suite's time (about 70% on test_step, test_accumulate and test_nonfinite), and with
+the classic emitters (``--xla_cpu_use_fusion_emitters=false``) that backend compile time is 22 s
+instead of 48 s (on jaxlib 0.7 the flag changes nothing measurable). The tests therefore ask for
+the classic emitters. Only the generation of kernel
 code changes: the HLO passes (fusion, copy insertion, buffer assignment) and so the compiled
 memory the tests assert are the same, and the large reduce that drops a NaN on today's jaxlib
 drops it with either emitter, so the non-finite tests keep leaves of 4,096 elements and more

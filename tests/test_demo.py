@@ -172,13 +172,16 @@ def test_cli_top_level_help_is_plain_text_and_version_names_the_versions(capsys)
 
 
 @pytest.mark.slow  # CI's full run; the fast suite's 5 minutes
+@pytest.mark.parametrize("rule", ["seconds", "fraction"])
 def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress_lines(
-  monkeypatch,
+  monkeypatch, rule
 ):
   import io
 
   monkeypatch.setattr(console, "LONG_RUN_SECONDS", 0.0)  # any run is "long": the warning shows
-  monkeypatch.setattr(demo, "TIMING_SECONDS", 0.0)  # estimate at the first window's end
+  # "seconds": the timing's seconds are up at once, so the estimate comes at the first window's
+  # end; "fraction": they never are, so it comes at the first window's end a tenth into the run.
+  monkeypatch.setattr(demo, "TIMING_SECONDS", 0.0 if rule == "seconds" else float("inf"))
   cfg = demo.DemoConfig(
     microbatch_size=4,
     every_k=3,
@@ -198,7 +201,12 @@ def test_train_without_a_terminal_prints_the_plan_an_estimate_and_plain_progress
   (planned,) = _number(r"updates = ([\d,]+) microbatches", text)
   assert planned == result.metrics["num_microbatches"]
   (timed,) = _number(r"timing: (\d+) microbatches in", text)
-  assert timed == cfg.every_k - 1  # from the end of the first microbatch to the window's end
+  # From the end of the first microbatch to a window's end (every every_k microbatches).
+  first_end = cfg.every_k
+  if rule == "fraction":
+    while first_end - 1 < 0.1 * planned:
+      first_end += cfg.every_k
+  assert timed == first_end - 1
   assert "estimated training time" in text and "warning: a long run" in text
   lines = re.findall(r"^update (\d+)/12: loss", text, flags=re.M)
   assert [int(n) for n in lines] == list(range(1, 13))  # updates // 10 = 1: every update
@@ -252,7 +260,8 @@ def test_quick_demo_runs_and_learns(tmp_path):
   # Training: the plan, an estimate, plain progress lines (no terminal), the loss drops.
   assert "\r" not in out  # no tqdm frames
   (planned,) = _number(r"updates = ([\d,]+) microbatches", out)
-  assert "estimated training time" in out
+  (timed,) = _number(r"timing: (\d+) microbatches in \S+ s; estimated training time", out)
+  assert 0 < timed < planned  # a second or a tenth of the run, whichever first, to a window end
   assert len(re.findall(r"^update \d+/\d+: loss", out, flags=re.M)) == 10
   first, last = _number(r"training loss: (\S+) \(update 1\) -> (\S+)", out)
   before, after = _number(r"held-out loss: (\S+) -> (\S+) nats/byte", out)

@@ -155,9 +155,10 @@ def _evaluate(loss_sum_and_tokens: Any, state: Any, batches: list[Batch]) -> flo
   return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
 
 
-# The run-time estimate times at least TIMING_SECONDS (to a window's end), at most
-# TIMING_MAX_SECONDS.
-TIMING_SECONDS, TIMING_MAX_SECONDS = 1.0, 10.0
+# The run-time estimate times TIMING_SECONDS or a TIMING_FRACTION of the planned microbatches,
+# whichever comes first (to a window's end), at most TIMING_MAX_SECONDS: a run shorter than a
+# second still gets its estimate, early.
+TIMING_SECONDS, TIMING_FRACTION, TIMING_MAX_SECONDS = 1.0, 0.1, 10.0
 # The EMA decay of the gradient noise scale (per window; about the last 20 windows count).
 NOISE_SCALE_DECAY = 0.95
 # --adaptive: windows from tokens_per_update up to this many times it (docs/noise_scale.md).
@@ -325,7 +326,8 @@ def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
         pending += 1
         done += 1
         # Time from the end of the first microbatch (one-time costs) to the end of the first
-        # window that ends TIMING_SECONDS later, or for TIMING_MAX_SECONDS; then estimate once.
+        # window that ends TIMING_SECONDS or a TIMING_FRACTION of the run later, or for
+        # TIMING_MAX_SECONDS; then estimate once.
         full = pending >= config.every_k if budget is None else pending_tokens >= budget
         closes = full or last
         if mark is None:
@@ -333,7 +335,9 @@ def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
           mark = (time.perf_counter(), done)
         elif mark and (
           closes
-          and console.since(mark) >= TIMING_SECONDS
+          and (
+            console.since(mark) >= TIMING_SECONDS or done - mark[1] >= TIMING_FRACTION * planned
+          )
           or console.since(mark) > TIMING_MAX_SECONDS
         ):
           jax.block_until_ready(m.num_updates)

@@ -335,9 +335,7 @@ def _loop(config, step, state, train_lines, planned, out, progress) -> _Run:
           mark = (time.perf_counter(), done)
         elif mark and (
           closes
-          and (
-            console.since(mark) >= TIMING_SECONDS or done - mark[1] >= TIMING_FRACTION * planned
-          )
+          and (console.since(mark) >= TIMING_SECONDS or done - mark[1] >= TIMING_FRACTION * planned)
           or console.since(mark) > TIMING_MAX_SECONDS
         ):
           jax.block_until_ready(m.num_updates)
